@@ -1,0 +1,301 @@
+"""Pieces shared by every architecture: attention layouts, the KV cache, attention backends, RoPE, RMSNorm.
+
+A model family differs only in parameter names and small details (q/k norm, biases); the attention math lives
+here once so that the sampler and the trainer see exactly the same computation for every family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:  # optional GPU extra
+    from flash_attn import flash_attn_func  # type: ignore
+except Exception:  # pragma: no cover - not installed on CPU machines
+    flash_attn_func = None
+
+ATTN_BACKENDS = ("sdpa", "flex", "flash")
+
+
+@dataclass
+class AttentionLayout:
+    """Who may attend to whom, described per token instead of as a dense N x N matrix.
+
+    Every token carries a block index, a copy index and a validity flag. Query i may see key j iff key j is valid
+    and either
+      * j is clean (copy 0) and lies in an earlier block, or in the same block when i is clean too; or
+      * j lies in the same noisy copy (copy > 0) and the same block as i.
+    Every token also sees itself, so padding queries never produce NaNs.
+
+    This one rule covers all layouts we need: full attention (all blocks 0), causal (block = position),
+    block-causal (block = position // b), the TraceRL doubled layout (clean response + a masked copy) and the
+    packed layout (several masked copies, one per round).
+    """
+
+    block: Tensor  # [B, N] long
+    copy: Tensor  # [B, N] long, 0 = clean
+    valid: Tensor  # [B, N] bool, False = padding (never a visible key)
+
+    @classmethod
+    def full(cls, valid: Tensor) -> AttentionLayout:
+        zeros = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
+        return cls(zeros, zeros, valid.bool())
+
+    @classmethod
+    def block_causal(cls, position_ids: Tensor, block_size: int, valid: Tensor | None = None) -> AttentionLayout:
+        """Blocks at absolute positions: block = position // block_size (the sampler's convention)."""
+        if valid is None:
+            valid = torch.ones(position_ids.shape, dtype=torch.bool, device=position_ids.device)
+        copy = torch.zeros_like(position_ids)
+        return cls(torch.div(position_ids, block_size, rounding_mode="floor"), copy, valid.bool())
+
+    @classmethod
+    def causal(cls, valid: Tensor) -> AttentionLayout:
+        b, n = valid.shape
+        block = torch.arange(n, device=valid.device).expand(b, n).contiguous()
+        return cls(block, torch.zeros_like(block), valid.bool())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.block.shape
+
+    def dense_mask(self) -> Tensor:
+        """Boolean [B, 1, N, N] mask (True = visible), built by broadcasting the per-token vectors."""
+        bq, bk = self.block[:, :, None], self.block[:, None, :]
+        cq, ck = self.copy[:, :, None], self.copy[:, None, :]
+        clean_key = (ck == 0) & ((bk < bq) | ((bk == bq) & (cq == 0)))
+        same_copy = (ck != 0) & (ck == cq) & (bk == bq)
+        mask = (clean_key | same_copy) & self.valid[:, None, :]
+        n = self.block.shape[1]
+        mask |= torch.eye(n, dtype=torch.bool, device=mask.device)
+        return mask[:, None]
+
+    def to(self, device: torch.device | str) -> AttentionLayout:
+        return AttentionLayout(self.block.to(device), self.copy.to(device), self.valid.to(device))
+
+
+class KVCache:
+    """Per-layer keys/values (after RoPE) plus a per-row validity mask over the cached columns.
+
+    Cached keys are visible to every query of their row (committed blocks, or a Fast-dLLM prefix/suffix), so only
+    validity is stored. Commit semantics: a forward with ``store_kv=False`` reads the cache without changing it;
+    ``store_kv=True`` appends the new keys/values once. Rows of different history lengths are padded with invalid
+    columns, which lets one batched tensor serve sequences at different stages.
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[Tensor | None] = [None] * num_layers
+        self.values: list[Tensor | None] = [None] * num_layers
+        self.valid: Tensor | None = None  # [B, T] bool
+
+    @property
+    def length(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def layer(self, idx: int) -> tuple[Tensor | None, Tensor | None]:
+        return self.keys[idx], self.values[idx]
+
+    def append_layer(self, idx: int, k: Tensor, v: Tensor) -> None:
+        old_k, old_v = self.keys[idx], self.values[idx]
+        self.keys[idx] = k if old_k is None else torch.cat([old_k, k], dim=2)
+        self.values[idx] = v if old_v is None else torch.cat([old_v, v], dim=2)
+
+    def append_valid(self, valid: Tensor) -> None:
+        valid = valid.bool()
+        self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
+
+    def select_rows(self, rows: Tensor) -> KVCache:
+        """A cache holding only the given rows (finished sequences leave the batch)."""
+        out = KVCache(len(self.keys))
+        out.keys = [None if k is None else k.index_select(0, rows) for k in self.keys]
+        out.values = [None if v is None else v.index_select(0, rows) for v in self.values]
+        out.valid = None if self.valid is None else self.valid.index_select(0, rows)
+        return out.compact()
+
+    def compact(self) -> KVCache:
+        """Drop leading columns that no row uses (left behind by rows that left the batch)."""
+        if self.valid is None or self.valid.shape[1] == 0:
+            return self
+        used = self.valid.any(0)
+        if used.all():
+            return self
+        keep = used.nonzero().squeeze(1)
+        self.keys = [None if k is None else k.index_select(2, keep) for k in self.keys]
+        self.values = [None if v is None else v.index_select(2, keep) for v in self.values]
+        self.valid = self.valid.index_select(1, keep)
+        return self
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` columns (a prefix cache)."""
+        self.keys = [None if k is None else k[:, :, :n] for k in self.keys]
+        self.values = [None if v is None else v[:, :, :n] for v in self.values]
+        if self.valid is not None:
+            self.valid = self.valid[:, :n]
+
+    @staticmethod
+    def concat_rows(caches: list[KVCache]) -> KVCache:
+        """Stack caches of different lengths row-wise; shorter ones get invalid columns at the end."""
+        caches = [c for c in caches if c.valid is not None and c.valid.shape[0] > 0]
+        n_layers = len(caches[0].keys)
+        width = max(c.length for c in caches)
+        out = KVCache(n_layers)
+        for idx in range(n_layers):
+            out.keys[idx] = torch.cat([_pad_cols(c.keys[idx], width) for c in caches], 0)
+            out.values[idx] = torch.cat([_pad_cols(c.values[idx], width) for c in caches], 0)
+        out.valid = torch.cat([F.pad(c.valid, (0, width - c.length), value=False) for c in caches], 0)
+        return out
+
+
+def _pad_cols(t: Tensor, width: int) -> Tensor:
+    return F.pad(t, (0, 0, 0, width - t.shape[2]))
+
+
+# ---------------------------------------------------------------- attention
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: AttentionLayout,
+    cache: KVCache | None,
+    layer_idx: int,
+    store_kv: bool,
+    backend: str = "sdpa",
+) -> Tensor:
+    """Attention of new queries over (cached keys + new keys). q: [B, H, Q, D]; k, v: [B, Hkv, Q, D]."""
+    past_k, past_v = cache.layer(layer_idx) if cache is not None else (None, None)
+    if store_kv and cache is not None:
+        cache.append_layer(layer_idx, k, v)
+    if past_k is not None:
+        k_all, v_all = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+    else:
+        k_all, v_all = k, v
+    if backend == "flex" and past_k is None and q.is_cuda:
+        return _flex(q, k_all, v_all, layout)
+    if backend == "flash" and flash_attn_func is not None and q.is_cuda and _layout_is_full(layout) and past_k is None:
+        out = flash_attn_func(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), causal=False)
+        return out.transpose(1, 2)
+    mask = layout_mask(layout, cache if past_k is not None else None)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def layout_mask(layout: AttentionLayout, cache: KVCache | None) -> Tensor:
+    """Boolean [B, 1, Q, T+Q] mask: cached columns visible where valid, then the layout among new tokens."""
+    mask = layout.dense_mask()
+    if cache is None or cache.valid is None:
+        return mask
+    q = mask.shape[2]
+    past = cache.valid[:, None, None, :].expand(-1, 1, q, -1)
+    return torch.cat([past, mask], dim=-1)
+
+
+def _layout_is_full(layout: AttentionLayout) -> bool:
+    return bool(layout.valid.all()) and bool((layout.block == 0).all()) and bool((layout.copy == 0).all())
+
+
+_FLEX_CACHE: dict = {}
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:  # pragma: no cover - GPU only
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX_CACHE:
+        _FLEX_CACHE["fn"] = torch.compile(flex_attention, dynamic=False)
+    block, copy, valid = layout.block, layout.copy, layout.valid
+
+    def mask_mod(b, h, qi, kj):
+        bq, bk, cq, ck = block[b, qi], block[b, kj], copy[b, qi], copy[b, kj]
+        clean = (ck == 0) & ((bk < bq) | ((bk == bq) & (cq == 0)))
+        same = (ck != 0) & (ck == cq) & (bk == bq)
+        return ((clean | same) & valid[b, kj]) | (qi == kj)
+
+    b, _, n, _ = q.shape
+    bm = create_block_mask(mask_mod, b, None, n, n, device=q.device)
+    return _FLEX_CACHE["fn"](q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ---------------------------------------------------------------- RoPE and norms
+
+
+def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, 1, N, D] for rotate-half RoPE, computed in fp32 from explicit positions.
+
+    Frequencies are computed on the fly (no buffer), so nothing can be left uninitialised by ``from_pretrained``.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = position_ids.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def split_heads(x: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    b, n, _ = x.shape
+    return x.view(b, n, n_heads, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    b, h, n, d = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * d)
+
+
+def default_positions(input_ids: Tensor, cache: KVCache | None) -> Tensor:
+    start = cache.length if cache is not None else 0
+    n = input_ids.shape[1]
+    return torch.arange(start, start + n, device=input_ids.device).expand(input_ids.shape[0], n)
+
+
+def init_linear_normal(module: nn.Module, std: float) -> None:
+    """Plain normal init for freshly built (random) models; loading a checkpoint overwrites it."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+
+
+__all__ = [
+    "ATTN_BACKENDS",
+    "AttentionLayout",
+    "KVCache",
+    "RMSNorm",
+    "apply_rope",
+    "attend",
+    "default_positions",
+    "layout_mask",
+    "merge_heads",
+    "rope_cos_sin",
+    "split_heads",
+    "init_linear_normal",
+]

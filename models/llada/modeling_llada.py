@@ -1,0 +1,107 @@
+"""LLaDA / MMaDA: an OLMo-style LLaMA decoder trained from scratch as a masked diffusion model.
+
+Full bidirectional attention with a real key-padding mask: pads never influence real tokens (the reference either
+attends to pads or silently turns causal when given a mask, REFERENCE 2.5). Position ids skip left padding.
+Parameter names equal the public checkpoints' (``model.transformer.{wte, blocks.i.*, ln_f, ff_out}``).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from models.base import BackboneMixin, LMHeadMixin
+from models.common import RMSNorm, apply_rope, attend, init_linear_normal, merge_heads, split_heads
+from models.llada.configuration_llada import LLaDAConfig, MMadaConfig
+
+
+class LLaDALlamaBlock(nn.Module):
+    def __init__(self, config: LLaDAConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv = config.n_heads, config.n_kv_heads
+        self.head_dim = config.d_model // config.n_heads
+        d, bias = config.d_model, config.include_qkv_bias
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ff_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
+        self.attn_out = nn.Linear(d, d, bias=False)
+        self.ff_proj = nn.Linear(d, config.mlp_hidden_size, bias=False)
+        self.up_proj = nn.Linear(d, config.mlp_hidden_size, bias=False)
+        self.ff_out = nn.Linear(config.mlp_hidden_size, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout, cache, store_kv: bool, backend: str) -> Tensor:
+        h = self.attn_norm(x)
+        q = apply_rope(split_heads(self.q_proj(h), self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(split_heads(self.k_proj(h), self.n_kv, self.head_dim), cos, sin)
+        v = split_heads(self.v_proj(h), self.n_kv, self.head_dim)
+        x = x + self.attn_out(merge_heads(attend(q, k, v, layout, cache, self.layer_idx, store_kv, backend)))
+        h = self.ff_norm(x)
+        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+
+
+class LLaDAPreTrainedModel(PreTrainedModel):
+    config_class = LLaDAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LLaDALlamaBlock"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        init_linear_normal(module, self.config.init_std)
+
+
+class LLaDAModel(BackboneMixin, LLaDAPreTrainedModel):
+    default_attention = "full"
+    block_size = None
+
+    def __init__(self, config: LLaDAConfig):
+        super().__init__(config)
+        blocks = nn.ModuleList(LLaDALlamaBlock(config, i) for i in range(config.n_layers))
+        modules = {"wte": nn.Embedding(config.embedding_size, config.d_model), "emb_drop": nn.Dropout(0.0),
+                   "ln_f": RMSNorm(config.d_model, config.rms_norm_eps), "blocks": blocks}
+        if not config.weight_tying:
+            modules["ff_out"] = nn.Linear(config.d_model, config.embedding_size, bias=False)
+        self.transformer = nn.ModuleDict(modules)
+        self.post_init()
+
+    rope_head_dim = property(lambda self: self.config.d_model // self.config.n_heads)
+    rope_theta = property(lambda self: self.config.rope_theta)
+    decoder_layers = property(lambda self: self.transformer["blocks"])
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.transformer["emb_drop"](self.transformer["wte"](ids))
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        return self.transformer["ln_f"](x)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer["wte"]
+
+
+class LLaDAModelLM(LMHeadMixin, LLaDAPreTrainedModel):
+    """The LM class of the public checkpoints (`architectures: ["LLaDAModelLM"]`)."""
+
+    def __init__(self, config: LLaDAConfig):
+        super().__init__(config)
+        self.model = LLaDAModel(config)
+        self.post_init()
+
+    backbone = property(lambda self: self.model)
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        t = self.model.transformer
+        weight = t["wte"].weight if self.config.weight_tying else t["ff_out"].weight
+        return F.linear(hidden, weight)[..., : self.config.vocab_size]
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.transformer["wte"]
+
+
+class MMadaModelLM(LLaDAModelLM):
+    """MMaDA's text model: identical parameter names, `model_type` "mmada" (REFERENCE 2.6)."""
+
+    config_class = MMadaConfig

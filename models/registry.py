@@ -1,0 +1,204 @@
+"""`model_base` -> family adapter, and `load_model`: the only place that knows how families differ.
+
+The adapter carries what shared code must know about a family (mask/pad/eos ids, block or full attention, logit
+shift, how to run a forward with a layout and a cache); samplers and trainers receive it and never branch on the
+family name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from models.common import AttentionLayout, KVCache
+from models.dream import DreamConfig, DreamModel
+from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
+from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
+
+
+class ModelLoadError(ValueError):
+    """A user-facing loading problem (unknown model_base, missing path, mismatched checkpoint, bad tokenizer)."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    family: str
+    model_types: tuple[str, ...]  # config.model_type values accepted for this model_base
+    model_class: type
+    attention: str  # "block" | "full"
+    shift_logits: bool
+    turn_end: str  # token closing an assistant turn (a natural stop token)
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>"),
+    "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>"),
+    "dream": FamilySpec("dream", ("Dream", "dream"), DreamModel, "full", True, "<|im_end|>"),
+    "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, "full", False, "<|eot_id|>"),
+    "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, "full", False, "<|eot_id|>"),
+}
+
+
+def register_auto_classes() -> None:
+    """Register our classes with the Auto* factories so `from_pretrained(local_dir)` works by model_type."""
+    for cfg_cls, base_cls, lm_cls in (
+        (SDARConfig, SDARModel, SDARForCausalLM),
+        (DreamConfig, None, DreamModel),
+        (LLaDAConfig, None, LLaDAModelLM),
+        (MMadaConfig, None, MMadaModelLM),
+    ):
+        with contextlib.suppress(ValueError):  # already registered
+            AutoConfig.register(cfg_cls.model_type, cfg_cls)
+        for auto, cls in ((AutoModel, base_cls or lm_cls), (AutoModelForCausalLM, lm_cls)):
+            with contextlib.suppress(ValueError):
+                auto.register(cfg_cls, cls)
+
+
+register_auto_classes()
+
+
+@dataclass
+class Adapter:
+    """What shared code needs to know about a loaded model (DESIGN.md contract 1)."""
+
+    model: Any
+    model_base: str
+    family: str
+    attention: str
+    block_size: int | None
+    mask_id: int
+    pad_id: int
+    eos_ids: tuple[int, ...]
+    shift_logits: bool
+    tokenizer: Any = None
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def backbone(self):
+        return self.model.backbone
+
+    def hidden(self, input_ids: Tensor, position_ids: Tensor, layout: AttentionLayout,
+               cache: KVCache | None = None, store_kv: bool = False) -> Tensor:
+        """Final normalised hidden states [B, N, H] for the given layout (and cache)."""
+        return self.backbone(input_ids, position_ids=position_ids, layout=layout, past_key_values=cache,
+                             store_kv=store_kv).last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """LM head on (a selection of) hidden states."""
+        return self.model.lm_logits(hidden)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, layout: AttentionLayout,
+                cache: KVCache | None = None, store_kv: bool = False) -> Tensor:
+        """Logits [B, N, V] as the model emits them (for shifted families, position i predicts token i+1)."""
+        return self.logits(self.hidden(input_ids, position_ids, layout, cache, store_kv))
+
+    def new_cache(self) -> KVCache:
+        return self.model.new_cache()
+
+    def predicting_index(self, index: Tensor) -> Tensor:
+        """Index of the hidden state whose logits predict the token at ``index`` (index - 1 when shifted)."""
+        return index - 1 if self.shift_logits else index
+
+    def layout(self, position_ids: Tensor, valid: Tensor) -> AttentionLayout:
+        """The family's inference layout: block-causal at absolute positions, or full attention."""
+        if self.attention == "block":
+            return AttentionLayout.block_causal(position_ids, self.block_size, valid)
+        return AttentionLayout.full(valid)
+
+    def encode_chat(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat prompt rendered with the tokenizer's chat template (a str is one user turn)."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+
+class LoadedModel(NamedTuple):
+    model: Any
+    adapter: Adapter
+    tokenizer: Any
+
+
+def family_spec(model_base: str) -> FamilySpec:
+    if model_base not in FAMILIES:
+        raise ModelLoadError(f"unknown model_base {model_base!r}; expected one of {sorted(FAMILIES)}")
+    return FAMILIES[model_base]
+
+
+def make_adapter(model: Any, tokenizer: Any, model_base: str, block_size: int | None = None) -> Adapter:
+    """Adapter for an already-built model and tokenizer (tests build tiny models this way)."""
+    spec = family_spec(model_base)
+    mask_id = _mask_id(tokenizer, model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ModelLoadError("tokenizer has neither a pad token nor an EOS token")
+    eos_ids = tuple(sorted({i for i in (tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None))
+                            if isinstance(i, int)}))
+    turn_end = tokenizer.convert_tokens_to_ids(spec.turn_end) if spec.turn_end in tokenizer.get_vocab() else None
+    stop_ids = tuple(sorted(set(eos_ids) | ({turn_end} if turn_end is not None else set())))
+    bs = block_size or (getattr(model.config, "block_size", None) if spec.attention == "block" else None)
+    return Adapter(model=model, model_base=model_base, family=spec.family, attention=spec.attention,
+                   block_size=bs, mask_id=mask_id, pad_id=pad_id, eos_ids=eos_ids, shift_logits=spec.shift_logits,
+                   tokenizer=tokenizer, stop_ids=stop_ids)
+
+
+def _mask_id(tokenizer: Any, model: Any) -> int:
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    if mask_id is None:
+        # The reference silently falls back to the pad id (REFERENCE 16.8): denoising with the wrong token.
+        raise ModelLoadError(
+            "tokenizer has no mask token (set tokenizer.mask_token, e.g. '<|MASK|>' for TraDo/SDAR, "
+            "'<|mask|>' for Dream, '<|mdm_mask|>' for LLaDA)"
+        )
+    cfg_mask = getattr(model.config, "mask_token_id", None)
+    if isinstance(cfg_mask, int) and cfg_mask != mask_id and cfg_mask < model.config.vocab_size:
+        raise ModelLoadError(f"tokenizer mask id {mask_id} differs from the model config's mask_token_id {cfg_mask}")
+    return mask_id
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(cfg: Any, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load ``cfg.pretrained_model`` (a local folder) for ``cfg.model_base``; returns (model, adapter, tokenizer).
+
+    ``cfg`` is the ``model`` section of a job config (attribute or key access): pretrained_model, model_base,
+    optional tokenizer (folder), dtype, attn_backend, block_size.
+    """
+    get = (lambda k, d=None: cfg.get(k, d)) if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
+    model_base = get("model_base")
+    spec = family_spec(model_base)
+    path = Path(str(get("pretrained_model")))
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model path {str(path)!r} is not a folder with a config.json "
+                             "(weights cannot be downloaded at run time; download the checkpoint first)")
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in spec.model_types:
+        raise ModelLoadError(f"{path}: model_type {model_type!r} does not match model_base {model_base!r} "
+                             f"(expected {' or '.join(spec.model_types)})")
+    dtype = DTYPES[get("dtype", "float32") or "float32"]
+    overrides = {"attn_backend": get("attn_backend", "sdpa") or "sdpa"}
+    model = spec.model_class.from_pretrained(str(path), dtype=dtype, **overrides).to(device)
+    tokenizer = load_tokenizer(get("tokenizer") or path)
+    return LoadedModel(model, make_adapter(model, tokenizer, model_base, get("block_size")), tokenizer)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"tokenizer path {str(path)!r} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - surface a one-line cause
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from None

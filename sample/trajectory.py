@@ -1,0 +1,94 @@
+"""The Trajectory: the one record that flows from sampling to rewards, training and the trace viewer.
+
+Token ids are stored exactly as generated (never re-tokenised text), so training reproduces the sampler's states.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+@dataclass
+class Trajectory:
+    """One sampled response and how it was decoded.
+
+    ``step_map[i]`` is the (1-based, per-sequence, global across blocks) denoising step at which response token
+    ``i`` was unmasked; several tokens may share a step. ``logprobs[i]`` is the model's log-probability of that
+    token (plain softmax of the logits, temperature 1, no top-k/p) in the exact context it was committed in, which
+    is what the trainer recomputes. Tokens decoded inside the final block after the stop point are cut from the
+    response; ``tail_ids``/``tail_steps`` keep them (never trained) so the training view can rebuild the final
+    block's contexts exactly.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    step_map: list[int]
+    logprobs: list[float]
+    finish_reason: str = "length"
+    text: str = ""
+    confidences: list[float] = field(default_factory=list)
+    tail_ids: list[int] = field(default_factory=list)
+    tail_steps: list[int] = field(default_factory=list)
+    block_size: int | None = None  # block size used when sampling (None for full attention without blocks)
+    sample_id: str = ""
+    group_id: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.step_map) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"trajectory {self.sample_id!r}: response has {n} tokens but step_map has {len(self.step_map)} "
+                f"and logprobs {len(self.logprobs)}"
+            )
+        if self.confidences and len(self.confidences) != n:
+            raise ValueError(f"trajectory {self.sample_id!r}: confidences length {len(self.confidences)} != {n}")
+        if len(self.tail_ids) != len(self.tail_steps):
+            raise ValueError(f"trajectory {self.sample_id!r}: tail_ids and tail_steps differ in length")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"trajectory {self.sample_id!r}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}"
+            )
+
+    @property
+    def num_steps(self) -> int:
+        return max(self.step_map + self.tail_steps, default=0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, row: dict) -> Trajectory:
+        known = {f.name for f in fields(cls)}
+        unknown = set(row) - known
+        if unknown:
+            raise ValueError(f"unknown trajectory field(s) {sorted(unknown)}")
+        return cls(**row)
+
+
+def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:
+    """Write one JSON object per line; written to a temp file and renamed so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for t in trajectories:
+            f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
+    """Read trajectories; a malformed line is an error naming the file and line number."""
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield Trajectory.from_dict(json.loads(line))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: bad trajectory: {e}") from None

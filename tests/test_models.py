@@ -1,0 +1,199 @@
+"""Model zoo: reference state-dict names, save/load round trips, attention invariants per family."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models.common import AttentionLayout
+from models.registry import ModelLoadError, load_model, make_adapter
+from models.tiny import save_tiny_checkpoint
+
+FAMILY_BASES = ("sdar", "dream", "llada", "mmada")
+
+
+def expected_keys(model_base: str, n_layers: int) -> set[str]:
+    """State-dict names of the public checkpoints, written out from REFERENCE.md 2.2, 2.4, 2.5."""
+    if model_base == "sdar":
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                     "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        top = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        return set(top) | {f"model.layers.{i}.{k}" for i in range(n_layers) for k in per_layer}
+    if model_base == "dream":
+        per_layer = ["self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                     "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                     "input_layernorm.weight", "post_attention_layernorm.weight"]
+        top = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        return set(top) | {f"model.layers.{i}.{k}" for i in range(n_layers) for k in per_layer}
+    per_layer = ["attn_norm.weight", "ff_norm.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+                 "attn_out.weight", "ff_proj.weight", "up_proj.weight", "ff_out.weight"]
+    top = ["model.transformer.wte.weight", "model.transformer.ln_f.weight", "model.transformer.ff_out.weight"]
+    return set(top) | {f"model.transformer.blocks.{i}.{k}" for i in range(n_layers) for k in per_layer}
+
+
+@pytest.mark.parametrize("model_base", FAMILY_BASES)
+def test_state_dict_keys_match_reference_names(tiny, model_base):
+    adapter = tiny(model_base)
+    ref_base = "sdar" if model_base == "sdar" else ("dream" if model_base == "dream" else "llada")
+    assert set(adapter.model.state_dict()) == expected_keys(ref_base, 2)
+
+
+@pytest.mark.parametrize("model_base", ("trado", "sdar", "dream", "llada", "mmada"))
+def test_save_load_round_trip_gives_identical_logits(tmp_path, demo_tokenizer, model_base):
+    path = save_tiny_checkpoint(tmp_path / "ckpt", model_base, demo_tokenizer, size="test", seed=3)
+    a = load_model({"pretrained_model": str(path), "model_base": model_base, "dtype": "float32"})
+    b = load_model({"pretrained_model": str(path), "model_base": model_base, "dtype": "float32"})
+    ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        la, lb = a.model(ids).logits, b.model(ids).logits
+    assert torch.equal(la, lb)
+    # And equal to the model before saving (same seed => same weights).
+    from models.tiny import build_tiny
+
+    with torch.no_grad():
+        ref = build_tiny(model_base, demo_tokenizer, "test", seed=3).model(ids).logits
+    torch.testing.assert_close(la, ref, rtol=0, atol=0)
+    assert a.adapter.mask_id == demo_tokenizer.mask_token_id
+    assert a.tokenizer.mask_token == "<|MASK|>"
+
+
+def _block_inputs(n=12):
+    ids = torch.randint(0, 500, (1, n), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(n)[None]
+    return ids, pos
+
+
+def test_block_model_cache_with_commit_semantics_equals_uncached(tiny):
+    a = tiny("sdar", block_size=4)
+    ids, pos = _block_inputs(12)
+    full = a.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
+    cache = a.new_cache()
+    with torch.no_grad():
+        a.hidden(ids[:, :4], pos[:, :4], AttentionLayout.block_causal(pos[:, :4], 4), cache, store_kv=True)
+        # Denoise block 1 several times without storing: the cache must not grow.
+        for _ in range(3):
+            out1 = a.forward(ids[:, 4:8], pos[:, 4:8], AttentionLayout.block_causal(pos[:, 4:8], 4), cache)
+            assert cache.length == 4
+        a.hidden(ids[:, 4:8], pos[:, 4:8], AttentionLayout.block_causal(pos[:, 4:8], 4), cache, store_kv=True)
+        out2 = a.forward(ids[:, 8:], pos[:, 8:], AttentionLayout.block_causal(pos[:, 8:], 4), cache)
+    assert cache.length == 8
+    torch.testing.assert_close(out1, full[:, 4:8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out2, full[:, 8:], atol=1e-5, rtol=1e-5)
+
+
+def test_block_causality(tiny):
+    a = tiny("sdar", block_size=4)
+    ids, pos = _block_inputs(12)
+    layout = AttentionLayout.block_causal(pos, 4)
+    with torch.no_grad():
+        base = a.forward(ids, pos, layout)
+        later = ids.clone()
+        later[0, 9] = (later[0, 9] + 1) % 500  # a token in block 2
+        out = a.forward(later, pos, layout)
+    assert torch.equal(out[:, :8], base[:, :8])  # blocks 0..1 unchanged
+    assert not torch.allclose(out[:, 8:], base[:, 8:])  # block 2 (all positions, bidirectional) changes
+    assert (out[0, 8:] - base[0, 8:]).abs().amax(-1).gt(0).all()
+    with torch.no_grad():
+        mid = ids.clone()
+        mid[0, 5] = (mid[0, 5] + 1) % 500  # a token in block 1
+        out = a.forward(mid, pos, layout)
+    assert torch.equal(out[:, :4], base[:, :4])
+    assert (out[0, 4:] - base[0, 4:]).abs().amax(-1).gt(0).all()  # block 1 and everything after
+
+
+def test_dream_shift_convention(tiny):
+    a = tiny("dream")
+    assert a.shift_logits and a.attention == "full"
+    assert a.predicting_index(torch.tensor([5])).item() == 4
+    a.model.train()
+    ids = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(2))
+    # The model forward itself is unshifted (HF convention): logits[i] scores token i+1 under the adapter.
+    logits = a.model(ids).logits
+    assert logits.shape == (1, 8, len(a.tokenizer))
+
+
+@pytest.mark.parametrize("model_base", ("dream", "llada", "mmada"))
+def test_left_pads_change_no_logits_of_real_tokens(tiny, model_base):
+    a = tiny(model_base)
+    ids = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = a.model(ids).logits
+        for n_pad in (1, 3):
+            padded = torch.cat([torch.full((1, n_pad), a.pad_id), ids], 1)
+            mask = torch.cat([torch.zeros(1, n_pad), torch.ones(1, 7)], 1).long()
+            out = a.model(padded, attention_mask=mask).logits[:, n_pad:]
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            # Pads also never influence real tokens when their content changes.
+            padded2 = padded.clone()
+            padded2[0, :n_pad] = 7
+            out2 = a.model(padded2, attention_mask=mask).logits[:, n_pad:]
+            torch.testing.assert_close(out2, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_base", FAMILY_BASES)
+def test_bf16_forward_runs_on_cpu_and_tracks_fp32(tiny, model_base):
+    a = tiny(model_base)
+    ids = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = a.model(ids).logits
+        a.model.to(torch.bfloat16)
+        out = a.model(ids).logits
+    assert out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max() + 0.05
+
+
+def test_attention_backends_agree_where_available(tiny):
+    """flex/flash only run on CUDA; on CPU they must fall back to SDPA and give the same logits."""
+    a = tiny("sdar")
+    ids, pos = _block_inputs(8)
+    layout = AttentionLayout.block_causal(pos, 4)
+    with torch.no_grad():
+        ref = a.forward(ids, pos, layout)
+        for backend in ("flex", "flash"):
+            a.model.config.attn_backend = backend
+            torch.testing.assert_close(a.forward(ids, pos, layout), ref)
+    a.model.config.attn_backend = "sdpa"
+
+
+def test_dense_mask_matches_sdpa_with_explicit_additive_mask(tiny):
+    """The boolean layout mask means what we think: compare to a hand-made block-causal matrix."""
+    pos = torch.arange(6)[None]
+    mask = AttentionLayout.block_causal(pos, 2).dense_mask()[0, 0]
+    expected = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0],
+                             [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+# ---------------------------------------------------------------- adapter / loading errors
+
+
+def test_unknown_model_base(tmp_path):
+    with pytest.raises(ModelLoadError, match="unknown model_base 'gpt2'"):
+        load_model({"pretrained_model": str(tmp_path), "model_base": "gpt2"})
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="not a folder with a config.json"):
+        load_model({"pretrained_model": str(tmp_path / "nope"), "model_base": "sdar"})
+
+
+def test_model_type_mismatch(tmp_path, demo_tokenizer):
+    path = save_tiny_checkpoint(tmp_path / "d", "dream", demo_tokenizer, size="test")
+    with pytest.raises(ModelLoadError, match="model_type 'Dream' does not match model_base 'sdar'"):
+        load_model({"pretrained_model": str(path), "model_base": "sdar"})
+    assert json.loads((path / "config.json").read_text())["model_type"] == "Dream"
+
+
+def test_tokenizer_without_mask_token(tiny, demo_tokenizer):
+    import copy
+
+    tok = copy.deepcopy(demo_tokenizer)
+    tok.mask_token = None
+    with pytest.raises(ModelLoadError, match="no mask token"):
+        make_adapter(tiny("sdar").model, tok, "sdar")
