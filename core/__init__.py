@@ -1,0 +1,1 @@
+"""Shared utilities every layer may import (configuration, logging); imports no other package of ours."""
