@@ -1,0 +1,99 @@
+"""One way to build an `accelerate.Accelerator` that works on GPU nodes and on CPU-only machines alike.
+
+On CPU-only machines accelerate needs help (PLATFORM.md, "Distributed on CPU"): under a multi-process launcher
+the process group must use gloo, DDP needs ``cpu=True``, and DeepSpeed must NOT get ``cpu=True`` (it would be
+skipped) but does need the gloo backend or every rank believes it is alone. DeepSpeed also refuses ``prepare``
+without a dataloader unless ``train_micro_batch_size_per_gpu`` is set, so it is filled from ``micro_batch_size``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+
+def _launched() -> bool:
+    """True under a multi-process launcher (accelerate launch / torchrun set LOCAL_RANK and WORLD_SIZE)."""
+    return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _deepspeed_requested() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def build_accelerator(
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int = 1,
+    log_with: Any = None,
+    project_dir: str | None = None,
+    micro_batch_size: int = 1,
+) -> Accelerator:
+    """An Accelerator for the current launch (none, DDP or DeepSpeed; CUDA or CPU-only).
+
+    ``mixed_precision`` None takes the launcher's setting (the accelerate config), else "no"; an explicit value
+    ("no" | "bf16" | "fp16") overrides it. bf16 works on CPU. ``micro_batch_size`` is the per-device batch
+    DeepSpeed is told about when its config leaves ``train_micro_batch_size_per_gpu`` on "auto".
+    """
+    cpu_only = not torch.cuda.is_available()
+    kwargs: dict[str, Any] = {}
+    if cpu_only and _launched():
+        # Without an explicit gloo backend a CPU DeepSpeed run sets up no process group (every rank alone),
+        # and DDP with cpu=True could pick MPI.
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    if cpu_only and not _deepspeed_requested():
+        kwargs["cpu"] = True
+    if cpu_only and _deepspeed_requested() and os.environ.get("DLLM_DS_SHM_COMM", "0") != "1":
+        _skip_deepspeed_shm_comm()
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        log_with=log_with,
+        project_dir=project_dir,
+        **kwargs,
+    )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        _fill_deepspeed_config(accelerator, micro_batch_size)
+    return accelerator
+
+
+def _skip_deepspeed_shm_comm() -> None:
+    """Keep DeepSpeed's CPU backend on plain gloo collectives instead of its shared-memory allreduce kernel.
+
+    That kernel is JIT-compiled at process-group start (~45-100 s on a fresh machine), only speeds up CPU
+    collectives (CPU DeepSpeed runs are tests and demos here) and needs AVX-512 for bf16. Set
+    ``DLLM_DS_SHM_COMM=1`` to use it anyway. GPU runs never build it.
+    """
+    try:  # importlib: `import deepspeed.comm.torch` would bind the `torch` package re-exported by deepspeed.comm
+        ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:
+        return
+    if hasattr(ds_torch_comm, "build_shm_op"):
+        ds_torch_comm.build_shm_op = lambda: None
+
+
+def _fill_deepspeed_config(accelerator: Accelerator, micro_batch_size: int) -> None:
+    plugin = accelerator.state.deepspeed_plugin
+    cfg = plugin.deepspeed_config
+    if plugin.is_auto("train_micro_batch_size_per_gpu"):
+        cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
+    zero = cfg.get("zero_optimization", {})
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in cfg:
+        # Let torch optimizers run with ZeRO-Offload (slower than DeepSpeedCPUAdam, but needs no compiled ops).
+        cfg["zero_force_ds_cpu_optimizer"] = False
+
+
+def assert_world_size(accelerator: Accelerator, expected: int) -> None:
+    """Fail loudly when the run has a different number of processes than launched (e.g. a silent 1-process
+    fallback of ``accelerate launch --cpu`` or a CPU run without a process group)."""
+    if accelerator.num_processes != expected:
+        raise RuntimeError(
+            f"expected {expected} processes but accelerate sees {accelerator.num_processes} "
+            f"(distributed_type={accelerator.distributed_type}); on CPU use `accelerate launch --multi_gpu "
+            "--num_processes N` (or a MULTI_GPU / DEEPSPEED config) and build_accelerator()"
+        )
