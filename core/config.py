@@ -96,6 +96,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     block_size: int | None = bounded(None, 1)  # override the checkpoint's block size (block models)
     tokenizer: str | None = None  # null = the tokenizer saved with pretrained_model
+    # CPU demos only: if pretrained_model does not exist, build a tiny RANDOM model of model_base there
+    # (demo tokenizer, nothing downloaded). Never set this for real runs.
+    init_tiny_if_missing: bool = False
 
 
 @dataclass
