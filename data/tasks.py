@@ -1,0 +1,217 @@
+"""Built-in synthetic tasks that need no download, deterministic by seed, in the dataset formats of README.md.
+
+    python -m data.tasks --task arithmetic --n 100 --seed 0 --difficulty 2 --out data/arith.json
+    python -m data.tasks --task code --n 50 --seed 0 --out data/code.json
+
+Arithmetic rows are math rows (answer expected in ``\\boxed{}``); code rows are function tasks (asserts on
+``f``, with ``prefix = "def f(x):\\n"``) and stdio tasks. Every code row also carries a reference
+``solution`` that passes its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import operator
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data.formats import save_dataset_file, validate_rows  # noqa: E402
+
+__all__ = ["arithmetic_task", "code_task", "evaluate_expression"]
+
+_OPS: dict[type, Callable[[int, int], int]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+def evaluate_expression(expr: str) -> int:
+    """Value of an integer expression with + - * and parentheses (no eval of arbitrary code)."""
+
+    def walk(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        raise ValueError(f"unsupported expression element: {ast.dump(node)[:60]}")
+
+    return walk(ast.parse(expr, mode="eval"))
+
+
+def _expression(rng: random.Random, operands: int, digits: int, ops: str) -> str:
+    """Random expression such as ``12 + 7 * 3`` or ``(4 - 9) * 5``."""
+    hi = 10**digits - 1
+    terms = [str(rng.randint(1, hi))]
+    for _ in range(operands - 1):
+        op = rng.choice(ops)
+        term = str(rng.randint(1, hi))
+        if len(terms) > 1 and rng.random() < 0.25:  # occasionally parenthesise what came before
+            terms = [f"({' '.join(terms)})"]
+        terms += [op, term]
+    return " ".join(terms)
+
+
+def arithmetic_task(
+    n: int, seed: int = 0, difficulty: int = 1, operands: int | None = None, digits: int | None = None
+) -> list[dict]:
+    """``n`` arithmetic questions; ``difficulty`` d sets d+1 operands of up to 1+(d-1)//2 digits, with
+    multiplication from d >= 2 (``operands``/``digits`` override)."""
+    if difficulty < 1:
+        raise ValueError(f"difficulty must be >= 1, got {difficulty}")
+    operands = operands or difficulty + 1
+    digits = digits or 1 + (difficulty - 1) // 2
+    ops = "+-*" if difficulty >= 2 else "+-"
+    rng = random.Random(f"arithmetic-{seed}-{difficulty}-{operands}-{digits}")
+    rows = []
+    for _ in range(n):
+        expr = _expression(rng, operands, digits, ops)
+        rows.append({
+            "question": f"Compute {expr}. Give the final answer in \\boxed{{}}.",
+            "ground_truth_answer": str(evaluate_expression(expr)),
+            "expression": expr,
+        })
+    return validate_rows(rows, "math", "arithmetic_task")
+
+
+# ---------------------------------------------------------------------------------------------------- code
+@dataclass(frozen=True)
+class _FunctionTemplate:
+    """A family of function tasks: statement, reference implementation, solution source, argument maker."""
+
+    statement: Callable[[int], str]
+    reference: Callable[[int, object], object]
+    body: Callable[[int], str]
+    argument: Callable[[random.Random, int], object]
+
+
+def _int_arg(rng: random.Random, _a: int = 0) -> int:
+    return rng.randint(0, 999)
+
+
+def _multiple_arg(rng: random.Random, a: int) -> int:
+    """Half of the arguments are multiples of ``a``, so constant answers fail."""
+    return a * rng.randint(0, 99) + (0 if rng.random() < 0.5 else rng.randint(1, a - 1))
+
+
+def _list_arg(rng: random.Random, _a: int = 0) -> list[int]:
+    return [rng.randint(-20, 40) for _ in range(rng.randint(1, 6))]
+
+
+def _word_arg(rng: random.Random, _a: int = 0) -> str:
+    return " ".join(rng.choice(["red", "blue", "cat", "sun", "tree", "sky"]) for _ in range(rng.randint(1, 4)))
+
+
+_FUNCTIONS = [
+    _FunctionTemplate(lambda a: f"returns x * {a} + {a + 1}, where x is an integer",
+                      lambda a, x: x * a + a + 1, lambda a: f"return x * {a} + {a + 1}", _int_arg),
+    _FunctionTemplate(lambda a: f"returns the sum of the decimal digits of the non-negative integer x, plus {a}",
+                      lambda a, x: sum(map(int, str(x))) + a, lambda a: f"return sum(int(d) for d in str(x)) + {a}",
+                      _int_arg),
+    _FunctionTemplate(lambda a: f"returns how many integers in the list x are divisible by {a}",
+                      lambda a, x: sum(v % a == 0 for v in x), lambda a: f"return sum(v % {a} == 0 for v in x)",
+                      _list_arg),
+    _FunctionTemplate(lambda a: f"returns the largest integer of the non-empty list x minus the smallest, plus {a}",
+                      lambda a, x: max(x) - min(x) + a, lambda a: f"return max(x) - min(x) + {a}", _list_arg),
+    _FunctionTemplate(lambda a: f"returns the words of the string x in reverse order joined by '{'-' * a}'",
+                      lambda a, x: ("-" * a).join(reversed(x.split())),
+                      lambda a: f"return {'-' * a!r}.join(reversed(x.split()))", _word_arg),
+    _FunctionTemplate(lambda a: f"returns True if the integer x is divisible by {a}, else False",
+                      lambda a, x: x % a == 0, lambda a: f"return x % {a} == 0", _multiple_arg),
+]
+
+
+@dataclass(frozen=True)
+class _StdioTemplate:
+    """A family of stdio tasks: statement, input maker, reference output, solution source."""
+
+    statement: Callable[[int], str]
+    make_input: Callable[[random.Random], str]
+    reference: Callable[[int, str], str]
+    solution: Callable[[int], str]
+
+
+_STDIO = [
+    _StdioTemplate(lambda a: f"Read an integer n from standard input and print n * {a} - 1.",
+                   lambda rng: f"{rng.randint(-50, 50)}\n", lambda a, s: str(int(s) * a - 1),
+                   lambda a: f"n = int(input())\nprint(n * {a} - 1)\n"),
+    _StdioTemplate(lambda a: f"Read two integers separated by a space and print their sum multiplied by {a}.",
+                   lambda rng: f"{rng.randint(0, 99)} {rng.randint(0, 99)}\n",
+                   lambda a, s: str(sum(map(int, s.split())) * a),
+                   lambda a: f"a, b = map(int, input().split())\nprint((a + b) * {a})\n"),
+    _StdioTemplate(lambda a: f"Read a line of text and print it reversed, {a} time(s), one per line.",
+                   lambda rng: _word_arg(rng) + "\n", lambda a, s: "\n".join([s.strip()[::-1]] * a),
+                   lambda a: f"s = input().strip()\nfor _ in range({a}):\n    print(s[::-1])\n"),
+    _StdioTemplate(lambda a: f"Read an integer n, then n integers on the next line; print their maximum plus {a}.",
+                   lambda rng: _numbers_input(rng), lambda a, s: str(max(map(int, s.split()[1:])) + a),
+                   lambda a: f"n = int(input())\nvals = list(map(int, input().split()))\nprint(max(vals) + {a})\n"),
+]
+
+
+def _numbers_input(rng: random.Random) -> str:
+    vals = [rng.randint(-100, 100) for _ in range(rng.randint(1, 6))]
+    return f"{len(vals)}\n{' '.join(map(str, vals))}\n"
+
+
+def _function_row(rng: random.Random) -> dict:
+    tpl = rng.choice(_FUNCTIONS)
+    a = rng.randint(2, 9)
+    args = [tpl.argument(rng, a) for _ in range(4)]
+    return {
+        "question": f"Write a Python function f(x) that {tpl.statement(a)}.",
+        "test_method": "function",
+        "test_time_limit": 1,
+        "prefix": "def f(x):\n",
+        "test_list": [f"assert f({x!r}) == {tpl.reference(a, x)!r}" for x in args],
+        "solution": f"def f(x):\n    {tpl.body(a)}\n",
+    }
+
+
+def _stdio_row(rng: random.Random) -> dict:
+    tpl = rng.choice(_STDIO)
+    a = rng.randint(2, 4)
+    inputs = [tpl.make_input(rng) for _ in range(3)]
+    return {
+        "question": tpl.statement(a),
+        "test_method": "stdio",
+        "test_time_limit": 1,
+        "test_input": inputs,
+        "test_output": [tpl.reference(a, s) + "\n" for s in inputs],
+        "solution": tpl.solution(a),
+    }
+
+
+def code_task(n: int, seed: int = 0, stdio_fraction: float = 0.25) -> list[dict]:
+    """``n`` small code tasks (function tasks with asserts, and a ``stdio_fraction`` of stdio tasks)."""
+    rng = random.Random(f"code-{seed}")
+    rows = [_stdio_row(rng) if rng.random() < stdio_fraction else _function_row(rng) for _ in range(n)]
+    return validate_rows(rows, "code", "code_task")
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write built-in synthetic tasks as a dataset JSON file.")
+    parser.add_argument("--task", choices=("arithmetic", "code"), required=True)
+    parser.add_argument("--n", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--difficulty", type=int, default=1, help="arithmetic only")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.task == "arithmetic":
+        rows, kind = arithmetic_task(args.n, args.seed, args.difficulty), "math"
+    else:
+        rows, kind = code_task(args.n, args.seed), "code"
+    print(f"wrote {len(rows)} {args.task} tasks to {save_dataset_file(rows, args.out, kind)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

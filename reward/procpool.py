@@ -1,0 +1,120 @@
+"""A tiny process pool with a hard per-item timeout.
+
+``concurrent.futures.ProcessPoolExecutor`` cannot kill one stuck task; here a worker whose item exceeds the
+deadline (or that crashes) is killed and replaced, and the item gets a default value. Used for symbolic math
+checks, where sympy can hang on pathological LaTeX.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["TimeoutPool"]
+
+
+def _worker_loop(fn: Callable[..., Any], conn: Connection) -> None:
+    """Apply ``fn`` to each received argument tuple until the parent closes the pipe."""
+    while True:
+        try:
+            args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send((True, fn(*args)))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which uses the default
+            conn.send((False, repr(exc)))
+
+
+class _Worker:
+    """One worker process and the end of its pipe; ``started`` is set while an item is in flight."""
+
+    def __init__(self, ctx: Any, fn: Callable[..., Any]) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_loop, args=(fn, child), daemon=True)
+        self.proc.start()
+        child.close()
+        self.item: int | None = None
+        self.started = 0.0
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class TimeoutPool:
+    """Run a picklable top-level ``fn(*args)`` over many argument tuples, each with a hard timeout."""
+
+    def __init__(self, fn: Callable[..., Any], workers: int = 2, timeout_s: float = 5.0, context: str = "spawn"):
+        self.fn = fn
+        self.n_workers = max(1, workers)
+        self.timeout_s = timeout_s
+        self.ctx = mp.get_context(context)
+        self.workers: list[_Worker] = []
+        self.lock = threading.Lock()  # one map() at a time: workers hold per-call state
+        atexit.register(self.close)
+
+    def _ensure_workers(self, n: int) -> None:
+        self.workers = [w for w in self.workers if w.proc.is_alive()]
+        while len(self.workers) < min(n, self.n_workers):
+            self.workers.append(_Worker(self.ctx, self.fn))
+
+    def map(self, items: Sequence[tuple], default: Any = None) -> list[Any]:
+        """Results in input order; ``default`` for items that time out, raise, or kill their worker."""
+        with self.lock:
+            return self._map(list(items), default)
+
+    def _map(self, items: list[tuple], default: Any) -> list[Any]:
+        results = [default] * len(items)
+        todo = list(range(len(items)))[::-1]
+        self._ensure_workers(len(items))
+        busy: dict[Connection, _Worker] = {}
+        while todo or busy:
+            for w in self.workers:
+                if w.item is None and todo:
+                    w.item, w.started = todo.pop(), time.monotonic()
+                    try:
+                        w.conn.send(items[w.item])
+                    except OSError:  # worker died while idle: retry the item on a fresh one
+                        todo.append(w.item)
+                        self._replace(w)
+                        continue
+                    busy[w.conn] = w
+            now = time.monotonic()
+            next_deadline = min(w.started + self.timeout_s for w in busy.values())
+            for conn in wait(list(busy), timeout=max(0.0, next_deadline - now)):
+                w = busy.pop(conn)
+                try:
+                    ok, value = conn.recv()
+                    results[w.item] = value if ok else default
+                    w.item = None
+                except (EOFError, OSError):  # worker died: replace it
+                    self._replace(w)
+            now = time.monotonic()
+            for conn, w in list(busy.items()):
+                if now - w.started >= self.timeout_s:
+                    del busy[conn]
+                    self._replace(w)
+        return results
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self.workers[self.workers.index(w)] = _Worker(self.ctx, self.fn)
+
+    def close(self) -> None:
+        """Stop all workers (idempotent)."""
+        for w in self.workers:
+            try:
+                w.conn.close()
+                w.proc.join(timeout=1)
+                if w.proc.is_alive():
+                    w.proc.kill()
+            except (OSError, ValueError, AssertionError):
+                pass
+        self.workers = []

@@ -1,0 +1,300 @@
+"""Sandboxed code execution: correct scoring, containment of hostile programs, and a pool that survives them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+from reward.sandbox import (
+    CodeJob,
+    SandboxConfig,
+    code_from_response,
+    extract_code,
+    run_many,
+    run_program,
+    sandbox_capabilities,
+)
+
+CFG = SandboxConfig(memory_mb=256, max_output_bytes=1 << 16)
+CAPS = sandbox_capabilities()
+REPO = Path(__file__).resolve().parent.parent
+TESTS = ["assert f(1) == 2", "assert f(5) == 6"]
+GOOD = CodeJob("def f(x):\n    return x + 1\n", "function", TESTS, time_limit=2)
+GOOD_STDIO = CodeJob("a, b = map(int, input().split())\nprint(a + b)\n", "stdio",
+                     test_input=["1 2\n", "10 -3\n"], test_output=["3\n", "7"], time_limit=2)
+# What each check needs (see reward/sandbox.py for the modes); the full set holds when run as root.
+needs_uid_drop = pytest.mark.skipif(not CAPS["uid_drop"], reason=f"mode {CAPS['mode']}: program runs as our uid")
+needs_private_proc = pytest.mark.skipif(not (CAPS["uid_drop"] or CAPS["mount_ns"]),
+                                        reason=f"mode {CAPS['mode']}: /proc of our processes is readable")
+needs_signal_isolation = pytest.mark.skipif(not (CAPS["uid_drop"] or CAPS["pid_ns"]),
+                                            reason=f"mode {CAPS['mode']}: kill(-1) would reach our processes")
+
+
+def run_then_good(job: CodeJob, stdio: bool = False):
+    """Run a hostile job, then correct ones in the same pool; the correct ones must still pass."""
+    bad, *good = run_many([job, GOOD, GOOD_STDIO] if stdio else [job, GOOD], max_workers=1, config=CFG)
+    assert all(g.all_passed and g.reason == "ok" for g in good), good
+    return bad
+
+
+def fn_job(code: str, tests: list[str] = TESTS, time_limit: float = 2.0) -> CodeJob:
+    """Function-test job; generous default limit so a loaded CI machine does not time out correct code."""
+    return CodeJob(code, "function", tests, time_limit=time_limit)
+
+
+# ----------------------------------------------------------------------------------------------- extraction
+def test_extract_code_takes_last_python_block():
+    text = "first\n```python\nx = 1\n```\nthen\n```python\ndef f(x):\n    return x\n```\n```\nnot python\n```"
+    assert extract_code(text) == "def f(x):\n    return x"
+    assert extract_code("```py\nprint(1)\n```") == "print(1)"
+    assert extract_code("no code") is None
+    assert extract_code("```python\n\n```") is None
+
+
+def test_code_from_response_with_prefix():
+    assert code_from_response("    return x * 2\n```\nDone.", "def f(x):\n") == "def f(x):\n    return x * 2"
+    assert code_from_response("```python\ndef f(x):\n    return 1\n```", "") == "def f(x):\n    return 1"
+    assert code_from_response("    return 3\n```", "```python\ndef f(x):\n") == "def f(x):\n    return 3"
+    assert code_from_response("just words", "") is None
+
+
+# ----------------------------------------------------------------------------------------- correct scoring
+def test_correct_function_and_stdio_solutions_pass():
+    fn, stdio = run_many([GOOD, GOOD_STDIO], max_workers=2, config=CFG)
+    assert (fn.pass_fraction, fn.reason, fn.passed, fn.total) == (1.0, "ok", 2, 2)
+    assert (stdio.pass_fraction, stdio.reason) == (1.0, "ok")
+
+
+def test_each_test_is_judged_separately():
+    job = fn_job("def f(x):\n    while x == 3:\n        pass\n    return x + 1\n",
+                 ["assert f(1) == 2", "assert f(3) == 4", "assert f(2) == 4", "assert f(9) == 10"], time_limit=1)
+    res = run_program(job, CFG)
+    assert [t.passed for t in res.tests] == [True, False, False, True]
+    assert [t.reason for t in res.tests] == ["ok", "timeout", "wrong_answer", "ok"]
+    assert res.pass_fraction == 0.5 and res.reason == "timeout"
+
+
+def test_tests_do_not_share_state():
+    job = fn_job("seen = []\ndef f(x):\n    seen.append(x)\n    return len(seen)\n",
+                 ["assert f(0) == 1", "assert f(0) == 1"])
+    assert run_program(job, CFG).all_passed
+
+
+def test_stdio_wrong_answer_runtime_error_and_whitespace():
+    jobs = [
+        CodeJob("print(' 3 \\n')", "stdio", test_input=[""], test_output=["3"]),
+        CodeJob("print(4)", "stdio", test_input=[""], test_output=["3"]),
+        CodeJob("print(3)\nraise ValueError('late')", "stdio", test_input=[""], test_output=["3"]),
+        CodeJob("import sys\nprint(sum(int(v) for v in sys.stdin.read().split()))", "stdio",
+                test_input=["1 " * 200_000], test_output=["200000"]),
+    ]
+    res = run_many(jobs, max_workers=2, config=CFG)
+    assert [r.reason for r in res] == ["ok", "wrong_answer", "runtime_error", "ok"]
+
+
+def test_syntax_error_no_code_and_stdin_in_function_tests():
+    syntax, no_code, reads = run_many([fn_job("def f(x) return x"), fn_job(""), fn_job("def f(x):\n"
+                                       "    return int(input())")], config=CFG)
+    assert syntax.reason == "syntax_error" and syntax.pass_fraction == 0
+    assert no_code.reason == "no_code" and no_code.total == 2
+    assert reads.reason == "runtime_error" and "EOFError" in reads.tests[0].detail
+
+
+def test_from_task_uses_dataset_fields():
+    task = {"test_method": "stdio", "test_input": ["2\n"], "test_output": ["4\n"], "test_time_limit": 2}
+    job = CodeJob.from_task(task, "print(int(input()) * 2)")
+    assert job.time_limit == 2.0 and run_program(job, CFG).all_passed
+    with pytest.raises(ValueError):
+        CodeJob("print(1)", "stdio", test_input=["1"], test_output=[]).tests()
+
+
+# ----------------------------------------------------------------------------------------- early exits
+@pytest.mark.parametrize(
+    "exit_code",
+    ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit", "raise SystemExit(0)",
+     "exit()", "import os, sys\nsys.stdout.flush()\nos.kill(os.getpid(), 9)"],
+)
+def test_exiting_early_passes_nothing(exit_code):
+    """REFERENCE 16.9: exiting at import time used to pass every test."""
+    bad = run_then_good(fn_job("def f(x):\n    return x + 1\n" + exit_code))
+    assert bad.pass_fraction == 0.0 and bad.passed == 0
+    assert bad.reason in ("exited", "killed")
+
+
+def test_exit_inside_a_test_fails_that_test():
+    res = run_program(fn_job("import sys\ndef f(x):\n    if x == 5:\n        sys.exit(0)\n    return x + 1\n"), CFG)
+    assert [t.reason for t in res.tests] == ["ok", "exited"]
+
+
+def test_stdio_exit_before_output_fails():
+    job = CodeJob("import sys\nsys.exit(0)\nprint(3)", "stdio", test_input=[""], test_output=["3"])
+    assert run_program(job, CFG).reason == "wrong_answer"
+
+
+def test_forged_result_record_is_ignored():
+    forged = ('import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b\'{"ok": true, "phase": "test", '
+              '"nonce": "0"}\\n\')\n    except OSError:\n        pass\nos._exit(0)\n')
+    bad = run_then_good(fn_job(forged))
+    assert bad.pass_fraction == 0.0 and bad.reason == "exited"
+
+
+# ----------------------------------------------------------------------------------------- resource limits
+@pytest.mark.parametrize(
+    ("code", "reasons", "time_limit"),
+    [
+        ("while True:\n    pass", {"timeout"}, 0.5),
+        ("import time\ntime.sleep(100)", {"timeout"}, 0.5),
+        ("x = bytearray(2 * 1024 ** 3)", {"memory"}, 3),
+        ("a = []\nwhile True:\n    a.append(bytearray(10 ** 7))", {"memory", "killed"}, 3),
+        ("while True:\n    print('x' * 1000)", {"output_limit"}, 3),
+        ("import sys\nwhile True:\n    sys.stderr.write('y' * 1000)", {"output_limit"}, 3),
+        ("open('big.bin', 'wb').write(b'0' * (64 << 20))", {"output_limit"}, 3),
+    ],
+    ids=["busy-loop", "sleep", "big-alloc", "growing-alloc", "stdout-flood", "stderr-flood", "big-file"],
+)
+def test_resource_limits(code, reasons, time_limit):
+    bad = run_then_good(fn_job(code + "\ndef f(x):\n    return x + 1\n", time_limit=time_limit))
+    assert bad.pass_fraction == 0.0
+    assert bad.reason in reasons, bad.tests[0]
+
+
+def _sandbox_uid_processes() -> list[str]:
+    """Host processes still running under a sandbox uid (there must be none after a job)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+        if uid >= CFG.uid_base and uid != 65534:
+            found.append(entry)
+    return found
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+     "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(100)\n"],
+    ids=["fork-bomb", "escaping-daemon"],
+)
+def test_process_explosions_are_contained_and_cleaned_up(code):
+    bad = run_then_good(fn_job(code + "\ndef f(x):\n    return 0\n", time_limit=0.5))
+    assert bad.pass_fraction == 0.0
+    if CAPS["uid_drop"]:
+        assert _sandbox_uid_processes() == []
+
+
+# ------------------------------------------------------------------------------------------ isolation
+@pytest.mark.parametrize(
+    "where",
+    [pytest.param("/tmp", marks=pytest.mark.skipif(not CAPS["mount_ns"], reason="no private /tmp")),
+     pytest.param("/var/tmp", marks=pytest.mark.skipif(not CAPS["mount_ns"], reason="no private /var/tmp")),
+     pytest.param(str(REPO), marks=needs_uid_drop)],
+    ids=["tmp", "var-tmp", "repo"],
+)
+def test_writes_outside_the_workdir_do_not_reach_the_host(where):
+    target = f"{where}/sandbox_probe_{uuid.uuid4().hex}"
+    code = (f"import os\ntry:\n    open({target!r}, 'w').write('x')\nexcept OSError:\n    pass\n"
+            "open('inside.txt', 'w').write('fine')\ndef f(x):\n    return x + 1 if open('inside.txt').read() == 'fine'"
+            " else 0\n")
+    try:
+        res = run_then_good(fn_job(code))
+        assert res.all_passed  # writing its own working directory is allowed
+        assert not os.path.exists(target)
+    finally:
+        Path(target).unlink(missing_ok=True)
+
+
+@needs_uid_drop
+def test_deleting_host_files_is_contained(tmp_path):
+    victims = [tmp_path / "keep.txt", REPO / f".sandbox-victim-{uuid.uuid4().hex}" / "keep.txt"]
+    try:
+        for victim in victims:
+            victim.parent.mkdir(exist_ok=True)
+            victim.parent.chmod(0o755)
+            victim.write_text("precious")
+            victim.chmod(0o644)
+        code = (f"import os, shutil\nfor p in {[str(v) for v in victims]!r}:\n    try:\n        os.remove(p)\n"
+                "    except OSError:\n        pass\n    shutil.rmtree(os.path.dirname(p), ignore_errors=True)\n"
+                "def f(x):\n    return x + 1\n")
+        run_then_good(fn_job(code))
+        assert [v.read_text() for v in victims] == ["precious", "precious"]
+    finally:
+        victims[1].unlink(missing_ok=True)
+        victims[1].parent.rmdir()
+
+
+def test_environment_secrets_do_not_leak(monkeypatch):
+    monkeypatch.setenv("MY_SECRET", "hunter2-value")
+    code = "import os\ndef f(x):\n    return x + 1 if os.environ.get('MY_SECRET') == 'hunter2-value' else 0\n"
+    bad = run_then_good(fn_job(code))
+    assert bad.pass_fraction == 0.0 and bad.reason == "wrong_answer"
+
+
+@needs_private_proc
+def test_other_processes_environments_are_not_readable(monkeypatch):
+    monkeypatch.setenv("MY_SECRET", "hunter2-value")
+    code = ("import os\ndef f(x):\n    for p in os.listdir('/proc'):\n        try:\n"
+            "            if b'hunter2-value' in open(f'/proc/{p}/environ', 'rb').read():\n"
+            "                return x + 1\n        except OSError:\n            pass\n    return 0\n")
+    bad = run_then_good(fn_job(code))
+    assert bad.pass_fraction == 0.0
+
+
+def test_network_is_unreachable():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(5)
+    server.settimeout(0.3)
+    port = server.getsockname()[1]
+    try:
+        code = (f"import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+                "    return x + 1\n")
+        bad = run_then_good(fn_job(code))
+        assert bad.pass_fraction == 0.0 and bad.reason == "runtime_error"
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["import os\nos.killpg(0, 9)", "import os\nos.kill(os.getppid(), 9)", "import os, signal\n"
+     "os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)",
+     pytest.param("import os\nos.kill(-1, 9)", marks=needs_signal_isolation)],
+    ids=["killpg-self", "kill-parent", "killpg-parent", "kill-all"],
+)
+def test_programs_killing_their_parents_do_not_hurt_the_pool(code):
+    bad = run_then_good(fn_job(code + "\ndef f(x):\n    return x + 1\n"), stdio=True)
+    if "killpg(0" in code:
+        assert bad.pass_fraction == 0.0
+    assert run_program(GOOD, CFG).all_passed
+
+
+def test_fallback_mode_still_scores_correctly():
+    """Without namespaces (isolation="none") verdicts are the same; only containment is weaker."""
+    cfg = SandboxConfig(isolation="none", memory_mb=256)
+    good, exits, wrong = run_many([GOOD, fn_job("def f(x):\n    return x + 1\nimport sys\nsys.exit(0)"),
+                                   fn_job("def f(x):\n    return x")], config=cfg)
+    assert good.all_passed and exits.pass_fraction == 0.0 and wrong.reason == "wrong_answer"
+
+
+def test_run_many_keeps_input_order():
+    jobs = [fn_job(f"def f(x):\n    return x + {k % 2}\n") for k in range(6)]
+    assert [r.pass_fraction for r in run_many(jobs, max_workers=3, config=CFG)] == [0.0, 1.0] * 3
+
+
+def test_infrastructure_failures_are_flagged_not_scored_as_wrong(monkeypatch, caplog):
+    from reward import sandbox
+
+    original = sandbox._spec
+    monkeypatch.setattr(sandbox, "_spec", lambda *args: {**original(*args), "time_limit": "not-a-number"})
+    res = run_program(GOOD, CFG)
+    assert res.reason == "sandbox_error" and res.pass_fraction == 0.0
+    assert "sandbox infrastructure failure" in caplog.text

@@ -1,0 +1,112 @@
+"""Group normalisation and filtering, keyed by sample id (REFERENCE 5.2, 5.3, 16.1)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from reward.group import ScoredSample, code_group_advantages, code_score, group_advantages
+
+
+def records(group: str, scores: list[float]) -> list[dict]:
+    return [{"sample_id": f"{group}{i}", "group_id": group, "score": s} for i, s in enumerate(scores)]
+
+
+MIXED = records("a", [1, 0, 0, 1]) + records("b", [1, 1, 1, 1]) + records("c", [1, 0, 0, 0, 0]) + records(
+    "d", [0] * 9 + [1]
+)
+
+
+def test_zscores_with_population_std_and_band_filter():
+    res = group_advantages(MIXED)
+    # a: mean 0.5, population std 0.5 -> +-1; c: mean 0.2, std 0.4 -> 2 and -0.5 (acc 0.2 is inside the band)
+    expected = {"a0": 1.0, "a1": -1.0, "a2": -1.0, "a3": 1.0, "c0": 2.0, "c1": -0.5, "c2": -0.5, "c3": -0.5,
+                "c4": -0.5}
+    assert res.advantages == pytest.approx(expected)
+    assert res.kept == list(expected)
+    assert {res.dropped[f"b{i}"] for i in range(4)} == {"accuracy_above_band"}
+    assert {res.dropped[f"d{i}"] for i in range(10)} == {"accuracy_below_band"}
+    assert res.group_accuracy == pytest.approx({"a": 0.5, "b": 1.0, "c": 0.2, "d": 0.1})
+    assert res.summary["dropped_by_reason"] == {"accuracy_above_band": 4, "accuracy_below_band": 10}
+    assert (res.summary["kept"], res.summary["dropped"], res.summary["groups"]) == (9, 14, 4)
+
+
+def test_filters_are_configurable():
+    res = group_advantages(MIXED, acc_band=None, drop_all_equal=False)
+    assert len(res.kept) == 23
+    assert [res.advantages[f"b{i}"] for i in range(4)] == [0.0] * 4  # std 0 -> zeros
+    d = [res.advantages[f"d{i}"] for i in range(10)]
+    assert d[-1] == pytest.approx(0.9 / 0.3) and d[0] == pytest.approx(-0.1 / 0.3)
+    res = group_advantages(MIXED, acc_band=None)
+    assert set(res.dropped.values()) == {"all_equal"} and len(res.dropped) == 4
+    res = group_advantages(MIXED, acc_band=(0.0, 0.5))
+    assert set(res.kept) == {f"a{i}" for i in range(4)} | {f"c{i}" for i in range(5)} | {f"d{i}" for i in range(10)}
+
+
+def test_non_binary_scores_and_near_constant_groups():
+    res = group_advantages(records("g", [0.1, 0.1, 0.1]) + records("h", [2.0, 4.0]), acc_band=None)
+    assert res.dropped == {"g0": "all_equal", "g1": "all_equal", "g2": "all_equal"}
+    assert res.advantages == pytest.approx({"h0": -1.0, "h1": 1.0})
+
+
+def test_advantages_are_keyed_by_id_not_position():
+    shuffled = list(MIXED)
+    random.Random(0).shuffle(shuffled)
+    a, b = group_advantages(MIXED), group_advantages(shuffled)
+    assert a.advantages == pytest.approx(b.advantages)
+    assert b.kept == [r["sample_id"] for r in shuffled if r["sample_id"] in b.advantages]
+
+
+def test_dropping_a_sample_later_never_shifts_other_rewards():
+    """REFERENCE 16.1: a prompt dropped for length must not move any other sample's reward."""
+    res = group_advantages(MIXED)
+    later = res.drop(["a1", "c0"], "prompt_too_long")
+    assert later.kept == [sid for sid in res.kept if sid not in ("a1", "c0")]
+    for sid in later.kept:
+        assert later.advantages[sid] == res.advantages[sid]
+    assert later.dropped["a1"] == later.dropped["c0"] == "prompt_too_long"
+    assert res.advantages["a1"] == -1.0  # the original result is untouched
+    assert later.summary["dropped_by_reason"]["prompt_too_long"] == 2
+    with pytest.raises(KeyError):
+        res.drop(["nope"], "x")
+
+
+def test_bad_records_are_errors():
+    with pytest.raises(ValueError, match="duplicate"):
+        group_advantages(records("a", [1, 0]) + records("a", [1]))
+    with pytest.raises(KeyError, match="group_id"):
+        group_advantages([{"sample_id": "x", "score": 1.0}])
+    with pytest.raises(ValueError, match="non-finite"):
+        group_advantages(records("a", [1, math.nan]))
+
+
+def test_correct_flags_drive_accuracy():
+    samples = [ScoredSample(f"s{i}", "g", score, correct=score == 1.0) for i, score in enumerate([1, 0.5, 0.5, 0])]
+    res = group_advantages(samples, acc_band=(0.2, 0.3))
+    assert res.group_accuracy == {"g": 0.25} and len(res.kept) == 4
+
+
+def test_code_rewards_fraction_and_count():
+    recs = [
+        {"sample_id": "p0", "group_id": "p", "passed": 3, "total": 4},
+        {"sample_id": "p1", "group_id": "p", "passed": 1, "total": 4},
+        {"sample_id": "p2", "group_id": "p", "passed": 0, "total": 4},
+        {"sample_id": "p3", "group_id": "p", "passed": 0, "total": 4},
+        {"sample_id": "q0", "group_id": "q", "passed": 0, "total": 2},
+        {"sample_id": "q1", "group_id": "q", "passed": 0, "total": 2},
+        {"sample_id": "r0", "group_id": "r", "passed": 2, "total": 2},
+        {"sample_id": "r1", "group_id": "r", "passed": 0, "total": 2},
+    ]
+    # p: fractions [.75,.25,0,0], mean .25, population std sqrt(.09375); counts [3,1,0,0]: same z-scores
+    std = math.sqrt(0.09375)
+    expected = {"p0": 0.5 / std, "p1": 0.0, "p2": -0.25 / std, "p3": -0.25 / std, "r0": 1.0, "r1": -1.0}
+    for mode in ("fraction", "count"):
+        res = code_group_advantages(recs, mode=mode)
+        assert res.advantages == pytest.approx(expected)
+        assert res.dropped == {"q0": "all_equal", "q1": "all_equal"}  # rewards all zero
+    assert code_group_advantages(recs).group_accuracy == {"p": 0.0, "q": 0.0, "r": 0.5}
+    assert code_score(3, 4) == 0.75 and code_score(3, 4, "count") == 3.0 and code_score(0, 0) == 0.0
+    with pytest.raises(ValueError):
+        code_score(1, 2, "bogus")
