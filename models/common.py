@@ -6,7 +6,7 @@ here once so that the sampler and the trainer see exactly the same computation f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ class AttentionLayout:
     block: Tensor  # [B, N] long
     copy: Tensor  # [B, N] long, 0 = clean
     valid: Tensor  # [B, N] bool, False = padding (never a visible key)
+    # Masks derived from the vectors, built once per forward and shared by all layers. A layout is treated as
+    # immutable once it has been used.
+    _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def full(cls, valid: Tensor) -> AttentionLayout:
@@ -64,6 +67,11 @@ class AttentionLayout:
 
     def dense_mask(self) -> Tensor:
         """Boolean [B, 1, N, N] mask (True = visible), built by broadcasting the per-token vectors."""
+        if "dense" not in self._masks:
+            self._masks["dense"] = self._build_dense_mask()
+        return self._masks["dense"]
+
+    def _build_dense_mask(self) -> Tensor:
         bq, bk = self.block[:, :, None], self.block[:, None, :]
         cq, ck = self.copy[:, :, None], self.copy[:, None, :]
         clean_key = (ck == 0) & ((bk < bq) | ((bk == bq) & (cq == 0)))
@@ -174,7 +182,7 @@ def attend(
         k_all, v_all = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
     else:
         k_all, v_all = k, v
-    if backend == "flex" and past_k is None and q.is_cuda:
+    if backend == "flex" and past_k is None:
         return _flex(q, k_all, v_all, layout)
     if backend == "flash" and flash_attn_func is not None and q.is_cuda and _layout_is_full(layout) and past_k is None:
         out = flash_attn_func(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), causal=False)
@@ -188,34 +196,44 @@ def layout_mask(layout: AttentionLayout, cache: KVCache | None) -> Tensor:
     mask = layout.dense_mask()
     if cache is None or cache.valid is None:
         return mask
-    q = mask.shape[2]
-    past = cache.valid[:, None, None, :].expand(-1, 1, q, -1)
-    return torch.cat([past, mask], dim=-1)
+    key = ("with_cache", cache.length)  # the same cache width for every layer of one forward
+    if key not in layout._masks:
+        past = cache.valid[:, None, None, :].expand(-1, 1, mask.shape[2], -1)
+        layout._masks[key] = torch.cat([past, mask], dim=-1)
+    return layout._masks[key]
 
 
 def _layout_is_full(layout: AttentionLayout) -> bool:
     return bool(layout.valid.all()) and bool((layout.block == 0).all()) and bool((layout.copy == 0).all())
 
 
-_FLEX_CACHE: dict = {}
+_FLEX_COMPILED: dict = {}
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:  # pragma: no cover - GPU only
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
+    """FlexAttention with a block-sparse mask from the layout rule (compiled on CUDA; eager elsewhere, for tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-    if "fn" not in _FLEX_CACHE:
-        _FLEX_CACHE["fn"] = torch.compile(flex_attention, dynamic=False)
+    if "block_mask" not in layout._masks:
+        layout._masks["block_mask"] = _flex_block_mask(layout, q.shape[2], q.device)
+    fn = flex_attention
+    if q.is_cuda:  # pragma: no cover - GPU only
+        fn = _FLEX_COMPILED.setdefault("fn", torch.compile(flex_attention, dynamic=False))
+    return fn(q, k, v, block_mask=layout._masks["block_mask"], enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _flex_block_mask(layout: AttentionLayout, n: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
     block, copy, valid = layout.block, layout.copy, layout.valid
 
-    def mask_mod(b, h, qi, kj):
+    def mask_mod(b, h, qi, kj):  # the AttentionLayout rule, evaluated per (query, key) pair
         bq, bk, cq, ck = block[b, qi], block[b, kj], copy[b, qi], copy[b, kj]
         clean = (ck == 0) & ((bk < bq) | ((bk == bq) & (cq == 0)))
         same = (ck != 0) & (ck == cq) & (bk == bq)
         return ((clean | same) & valid[b, kj]) | (qi == kj)
 
-    b, _, n, _ = q.shape
-    bm = create_block_mask(mask_mod, b, None, n, n, device=q.device)
-    return _FLEX_CACHE["fn"](q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
+    return create_block_mask(mask_mod, block.shape[0], None, n, n, device=device)
 
 
 # ---------------------------------------------------------------- RoPE and norms
