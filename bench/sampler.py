@@ -1,0 +1,142 @@
+"""Sampler throughput on a random SDAR-shaped model: batched KV-cached sampler vs baselines, same run.
+
+    python -m bench.sampler                          # tiny model on CPU (hidden 256, 4 layers, demo vocab)
+    python -m bench.sampler --device cuda --preset 1.7b --batch 64
+
+Prints the hardware first, then tokens/s and tokens per forward for: our sampler at batch 1 and batch N, the
+no-cache reference path (``cache="none"``: recompute the whole sequence every step) at batch 1 and batch N, and
+a loop that samples the N prompts one at a time; then the ratios. Responses have a fixed length (no stops) so
+every variant generates the same number of tokens. Each variant runs ``--repeat`` times and the fastest run is
+reported (shared machines are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+import torch
+
+from models.registry import make_adapter
+from models.sdar import SDARConfig, SDARForCausalLM
+from models.tokenizers import build_demo_tokenizer
+from sample.generate import RolloutStats, generate
+from sample.params import SamplingParams
+
+PRESETS = {  # hidden, layers, heads, kv heads, head dim, mlp, vocab
+    "cpu": (256, 4, 8, 2, 32, 768, 0),  # vocabulary of the demo tokenizer (512 tokens)
+    "cpu-4096": (256, 4, 8, 2, 32, 768, 4096),
+    "cpu-small": (128, 4, 4, 2, 32, 384, 0),
+    "1.7b": (2048, 28, 16, 8, 128, 6144, 151936),  # Qwen3-1.7B / SDAR-1.7B shape
+}
+
+
+def hardware_line(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    line = (f"hardware: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+    if device.startswith("cuda"):
+        line += f", GPU {torch.cuda.get_device_name(device)}"
+    return line
+
+
+def build_adapter(preset: str, device: str, dtype: torch.dtype, block_size: int):
+    hidden, layers, heads, kv, head_dim, mlp, vocab = PRESETS[preset]
+    tok = build_demo_tokenizer()
+    cfg = SDARConfig(vocab_size=max(vocab, len(tok)), hidden_size=hidden, intermediate_size=mlp,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                     block_size=block_size, max_position_embeddings=32768, mask_token_id=tok.mask_token_id,
+                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = SDARForCausalLM(cfg)
+    return make_adapter(model.to(dtype).eval(), tok, "sdar")
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of varied lengths (so blocks start at different offsets), ids from the plain BPE range."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 64, (n,), generator=g).tolist()
+    return [torch.randint(0, min(vocab, 400), (k,), generator=g).tolist() for k in lengths]
+
+
+def best_of(repeat: int, fn, *args) -> RolloutStats:
+    return min((fn(*args) for _ in range(repeat)), key=lambda s: s.wall_time)
+
+
+def run(adapter, prompts: list[list[int]], params: SamplingParams, device: str) -> RolloutStats:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    out = generate(adapter, prompts, params, progress=False)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out.stats
+
+
+def loop_one_at_a_time(adapter, prompts: list[list[int]], params: SamplingParams, device: str,
+                       repeat: int) -> RolloutStats:
+    """Sample the prompts one by one (batch 1), the fastest of ``repeat`` runs per prompt, summed."""
+    stats = [best_of(repeat, run, adapter, [p], params, device) for p in prompts]
+    total = {f: sum(getattr(s, f) for s in stats)
+             for f in ("forwards", "denoise_forwards", "generated_tokens", "wall_time")}
+    return RolloutStats(**total)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4, help="denoising steps per block")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per variant; the fastest is reported")
+    ap.add_argument("--skip-slow", action="store_true", help="skip the no-cache baseline at batch N")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    print(hardware_line(args.device))
+    adapter = build_adapter(args.preset, args.device, dtype, args.block_size)
+    n_params = sum(p.numel() for p in adapter.model.parameters())
+    print(f"model: SDAR-shaped preset {args.preset} ({n_params / 1e6:.1f}M params, {dtype}), block {args.block_size}, "
+          f"{args.steps} steps/block, {args.max_tokens} tokens/response, static remasking, temperature 1")
+    prompts = make_prompts(args.batch, adapter.model.config.vocab_size)
+    params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps, temperature=1.0, seed=0,
+                            ignore_eos=True, stop_token_ids=[], max_active=args.batch)
+    slow = SamplingParams(**{**params.__dict__, "cache": "none"})
+    run(adapter, prompts[:2], params, args.device)  # warm-up
+    rep, dev = args.repeat, args.device
+    results = {
+        "ours, batch 1": best_of(rep, run, adapter, prompts[:1], params, dev),
+        f"ours, batch {args.batch}": best_of(rep, run, adapter, prompts, params, dev),
+        "no-cache, batch 1": best_of(rep, run, adapter, prompts[:1], slow, dev),
+    }
+    if not args.skip_slow:
+        results[f"no-cache, batch {args.batch}"] = best_of(1, run, adapter, prompts, slow, dev)
+    results[f"one-at-a-time loop, {args.batch} prompts"] = loop_one_at_a_time(adapter, prompts, params, dev, rep)
+    print(f"{'variant':<34}{'tokens':>8}{'forwards':>10}{'tok/fwd':>9}{'wall s':>9}{'tok/s':>10}")
+    for name, s in results.items():
+        print(f"{name:<34}{s.generated_tokens:>8}{s.forwards:>10}{s.tokens_per_forward:>9.2f}{s.wall_time:>9.2f}"
+              f"{s.tokens_per_second:>10.1f}")
+    tps = {k: v.tokens_per_second for k, v in results.items()}
+    batch_key, loop_key = f"ours, batch {args.batch}", f"one-at-a-time loop, {args.batch} prompts"
+    ratio = tps[batch_key] / tps[loop_key]
+    print(f"ratio batch {args.batch} / one-at-a-time loop: {ratio:.1f}x (target >= 10x at batch 32 on CPU)")
+    print(f"ratio ours / no-cache at batch 1: {tps['ours, batch 1'] / tps['no-cache, batch 1']:.1f}x")
+    if not args.skip_slow:
+        slow_key = f"no-cache, batch {args.batch}"
+        print(f"ratio ours / no-cache at batch {args.batch}: {tps[batch_key] / tps[slow_key]:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

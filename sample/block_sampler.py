@@ -1,0 +1,425 @@
+"""Batched block-diffusion sampler for block-attention models (TraDo / SDAR), with continuous batching.
+
+Blocks sit at ABSOLUTE positions: block k covers positions [k*b, (k+1)*b). A prompt of P tokens is prefilled up
+to floor(P/b)*b; its last P mod b tokens open the first active block (never masked, never changed, never part of
+the response). Each step is ONE forward of the active block of every row ([R, b] tokens, per-row absolute
+positions) against a batched KV cache with per-row validity. A row whose block has no masks left rides along in
+the next step with its final tokens: that pass is its commit (its K/V are stored; as in the reference engine,
+commit and denoising rows share the forward, and a commit pass does not count as a denoising step). Then the
+stops are checked in the block's response tokens and finished rows leave while waiting prompts take their place.
+
+``cache="none"`` is the slow reference path: every step recomputes each row's whole sequence with the
+block-causal layout (the baseline of the cache-equality test and of the benchmark).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.common import AttentionLayout, KVCache
+from sample.params import SamplingParams
+from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer
+from sample.trajectory import Trajectory
+
+PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
+REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a repack
+
+
+@dataclass
+class SamplerStats:
+    """Counters a sampler fills while it runs."""
+
+    forwards: int = 0  # model forward calls of any kind (prefill, denoise, commit, cache refresh)
+    denoise_forwards: int = 0  # forwards in which at least one row denoised (commit-only passes excluded)
+    generated_tokens: int = 0  # response tokens of finished rows
+
+
+@dataclass
+class _Row:
+    """Host-side record of one sequence in flight."""
+
+    index: int
+    prompt: list[int]
+    budget: int  # response tokens allowed (max_tokens, or fewer near the position limit)
+    tail_len: int  # prompt tokens at the start of the active block (first block only)
+    cached: int  # cache columns this row uses (prefix + committed blocks)
+    response: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- KV-cache row operations
+
+
+def _empty_like_rows(template: KVCache, n_rows: int) -> KVCache:
+    """A cache of ``n_rows`` rows and zero columns shaped like ``template`` (for rows with no prefix)."""
+    out = KVCache(len(template.keys))
+    out.keys = [None if k is None else k.new_zeros(n_rows, k.shape[1], 0, k.shape[3]) for k in template.keys]
+    out.values = [None if v is None else v.new_zeros(n_rows, v.shape[1], 0, v.shape[3]) for v in template.values]
+    out.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=template.valid.device)
+    return out
+
+
+def join_rows(first: KVCache | None, second: KVCache) -> KVCache:
+    """Rows of ``first`` followed by rows of ``second``; either may hold no columns yet."""
+    if first is None or first.valid is None or first.valid.shape[0] == 0:
+        return second
+    if first.keys[0] is None and second.keys[0] is None:
+        out = KVCache(len(first.keys))
+        out.valid = torch.zeros(first.valid.shape[0] + second.valid.shape[0], 0, dtype=torch.bool,
+                                device=first.valid.device)
+        return out
+    if first.keys[0] is None:
+        first = _empty_like_rows(second, first.valid.shape[0])
+    if second.keys[0] is None:
+        second = _empty_like_rows(first, second.valid.shape[0])
+    return KVCache.concat_rows([first, second])
+
+
+def rows_only_cache(n_rows: int, num_layers: int, device: torch.device) -> KVCache:
+    """A cache for ``n_rows`` rows that have nothing cached yet."""
+    out = KVCache(num_layers)
+    out.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=device)
+    return out
+
+
+def repack(cache: KVCache, width: int | None = None) -> KVCache:
+    """Move every row's valid columns to the left and keep ``width`` columns (default: the most any row has;
+    order kept, RoPE is baked in)."""
+    if cache.valid is None or cache.keys[0] is None:
+        return cache
+    counts = cache.valid.sum(1)
+    width = int(counts.max()) if width is None else width
+    order = torch.sort((~cache.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+    out = KVCache(len(cache.keys))
+    for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], width, k.shape[3])
+        out.keys[layer], out.values[layer] = k.gather(2, idx), v.gather(2, idx)
+    out.valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+    return out
+
+
+def replace_rows(main: KVCache, rows: Tensor, sub: KVCache) -> KVCache:
+    """``main`` with ``rows`` replaced by the rows of ``sub`` (widths padded with invalid columns)."""
+    if main.keys[0] is None:
+        main = _empty_like_rows(sub, main.valid.shape[0])
+    width = max(main.length, sub.length)
+    out = KVCache(len(main.keys))
+    for layer in range(len(main.keys)):
+        for store, big, small in ((out.keys, main.keys[layer], sub.keys[layer]),
+                                  (out.values, main.values[layer], sub.values[layer])):
+            big = F.pad(big, (0, 0, 0, width - big.shape[2]))
+            big[rows] = F.pad(small, (0, 0, 0, width - small.shape[2]))
+            store[layer] = big
+    valid = F.pad(main.valid, (0, width - main.length), value=False)
+    valid[rows] = F.pad(sub.valid, (0, width - sub.length), value=False)
+    out.valid = valid
+    return out.compact()
+
+
+# ---------------------------------------------------------------- model runners
+
+
+class _CachedRunner:
+    """Runs the model over active blocks against a batched commit-semantics KV cache."""
+
+    commit_pass = True  # a finished block needs one more forward to store its K/V
+
+    def __init__(self, adapter, block_size: int, stats: SamplerStats):
+        self.adapter, self.b, self.stats = adapter, block_size, stats
+        self.cache: KVCache | None = None
+
+    def admit(self, prefixes: list[Tensor]) -> None:
+        """Prefill the complete prompt blocks of new rows and append the rows to the batch cache."""
+        for chunk in _chunks(prefixes, PREFILL_TOKENS):
+            self.cache = join_rows(self.cache, self._prefill(chunk))
+
+    def _prefill(self, prefixes: list[Tensor]) -> KVCache:
+        device = prefixes[0].device
+        width = max(p.numel() for p in prefixes)
+        if width == 0:
+            return rows_only_cache(len(prefixes), len(self.adapter.new_cache().keys), device)
+        ids = torch.stack([F.pad(p, (0, width - p.numel()), value=self.adapter.pad_id) for p in prefixes])
+        valid = torch.stack([torch.arange(width, device=device) < p.numel() for p in prefixes])
+        pos = torch.arange(width, device=device).expand_as(ids)
+        cache = self.adapter.new_cache()
+        self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b, valid), cache, store_kv=True)
+        self.stats.forwards += 1
+        return cache
+
+    def step(self, tokens: Tensor, positions: Tensor, saving: Tensor | None) -> Tensor:
+        """Hidden states [R, b, H] of the active blocks. Rows in ``saving`` hold a finished block: its K/V are
+        stored (commit); for the other rows the appended columns are marked invalid (repacked later)."""
+        layout = AttentionLayout.block_causal(positions, self.b)
+        self.stats.forwards += 1
+        hidden = self.adapter.hidden(tokens, positions, layout, self.cache, store_kv=saving is not None)
+        if saving is not None:
+            self.cache.valid[:, -self.b:] &= saving[:, None]
+        return hidden
+
+    def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
+        """After a commit step: drop the invalid columns once they exceed the slack (no host sync needed)."""
+        if self.cache.length > max_cached + REPACK_SLACK * self.b:
+            self.cache = repack(self.cache, max_cached)
+
+    def keep(self, rows: Tensor) -> None:
+        self.cache = self.cache.select_rows(rows)
+
+
+class _RecomputeRunner:
+    """Reference path: recompute each row's whole sequence every step with the block-causal layout."""
+
+    commit_pass = False
+
+    def __init__(self, adapter, block_size: int, stats: SamplerStats):
+        self.adapter, self.b, self.stats = adapter, block_size, stats
+        self.prefixes: list[Tensor] = []
+
+    def admit(self, prefixes: list[Tensor]) -> None:
+        self.prefixes.extend(prefixes)
+
+    def step(self, tokens: Tensor, positions: Tensor, saving: Tensor | None) -> Tensor:
+        lengths = [p.numel() for p in self.prefixes]
+        width = max(lengths) + self.b
+        device = tokens.device
+        seqs = [torch.cat([p, t]) for p, t in zip(self.prefixes, tokens)]
+        ids = torch.stack([F.pad(s, (0, width - s.numel()), value=self.adapter.pad_id) for s in seqs])
+        valid = torch.stack([torch.arange(width, device=device) < s.numel() for s in seqs])
+        pos = torch.arange(width, device=device).expand_as(ids)
+        hidden = self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b, valid))
+        self.stats.forwards += 1
+        idx = torch.tensor(lengths, device=device)[:, None] + torch.arange(self.b, device=device)
+        return hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+
+    def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
+        for row, block in zip(rows, blocks):
+            self.prefixes[row] = torch.cat([self.prefixes[row], block])
+
+    def keep(self, rows: Tensor) -> None:
+        self.prefixes = [self.prefixes[i] for i in rows.tolist()]
+
+
+def _chunks(prefixes: list[Tensor], budget: int) -> list[list[Tensor]]:
+    """Split rows into prefill chunks of at most ``budget`` padded tokens (at least one row each)."""
+    out: list[list[Tensor]] = [[]]
+    for p in prefixes:
+        width = max([q.numel() for q in out[-1]] + [p.numel()])
+        if out[-1] and width * (len(out[-1]) + 1) > budget:
+            out.append([])
+        out[-1].append(p)
+    return out
+
+
+# ---------------------------------------------------------------- the sampler
+
+
+class BlockSampler:
+    """Samples many prompts with a block-attention adapter; see the module docstring."""
+
+    def __init__(self, adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,
+                 generator: torch.Generator, on_finish: Callable[[Trajectory], None] | None = None):
+        self.adapter, self.params, self.generator = adapter, params, generator
+        self.b = params.block_size or adapter.block_size
+        if self.b is None:
+            raise ValueError("block model without a block size: set SamplingParams.block_size")
+        if params.cache == "dual":
+            raise ValueError("cache='dual' is for full-attention models; block models use 'prefix' or 'none'")
+        self.stop_ids, self.eos_ids = stop_ids, set(adapter.eos_ids)
+        self.limit = limit
+        self.on_finish = on_finish
+        self.device = next(adapter.model.parameters()).device
+        self.stats = SamplerStats()
+        runner_cls = _RecomputeRunner if params.cache == "none" else _CachedRunner
+        self.runner = runner_cls(adapter, self.b, self.stats)
+        sched = block_schedule(self.b, params.denoising_steps)
+        self.schedule = schedule_table([sched], fill=self.b)[0].to(self.device)
+        self.rows: list[_Row] = []
+        self.n_saving = 0  # rows that commit their block in the next step (known from the last sync)
+        self._init_batch()
+
+    def _init_batch(self) -> None:
+        dev, b = self.device, self.b
+        self.tokens = torch.empty(0, b, dtype=torch.long, device=dev)
+        self.masked = torch.empty(0, b, dtype=torch.bool, device=dev)
+        self.start = torch.empty(0, dtype=torch.long, device=dev)
+        self.t_block = torch.empty(0, dtype=torch.long, device=dev)
+        self.counter = torch.empty(0, dtype=torch.long, device=dev)
+        self.rec_step = torch.empty(0, b, dtype=torch.long, device=dev)
+        self.rec_logp = torch.empty(0, b, dtype=torch.float32, device=dev)
+        self.rec_conf = torch.empty(0, b, dtype=torch.float32, device=dev)
+
+    def check_prompt(self, index: int, prompt: list[int]) -> int:
+        """The response budget of a prompt; a clear error when it leaves no room below the position limit."""
+        if self.limit is None:
+            return self.params.max_tokens
+        room = (self.limit // self.b) * self.b - len(prompt)
+        if room <= 0:
+            raise ValueError(f"prompt {index} has {len(prompt)} tokens; the model accepts {self.limit} positions "
+                             f"(max_position_embeddings), which leaves no room for a block of {self.b}")
+        return min(self.params.max_tokens, room)
+
+    def run(self, prompts: list[list[int]]) -> list[Trajectory]:
+        budgets = [self.check_prompt(i, p) for i, p in enumerate(prompts)]
+        pending = deque(range(len(prompts)))
+        results: list[Trajectory | None] = [None] * len(prompts)
+        while pending or self.rows:
+            self._admit(pending, prompts, budgets)
+            saving = self._step()
+            for traj in self._after_step(saving):
+                results[traj.meta.pop("index")] = traj
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------ admission
+
+    def _admit(self, pending: deque, prompts: list[list[int]], budgets: list[int]) -> None:
+        free = self.params.max_active - len(self.rows)
+        if free <= 0 or not pending:
+            return
+        new = [pending.popleft() for _ in range(min(free, len(pending)))]
+        prefixes, blocks, starts, tails = [], [], [], []
+        for i in new:
+            prompt = prompts[i]
+            cut = (len(prompt) // self.b) * self.b
+            tail = prompt[cut:]
+            prefixes.append(torch.tensor(prompt[:cut], dtype=torch.long, device=self.device))
+            blocks.append(tail + [self.adapter.mask_id] * (self.b - len(tail)))
+            starts.append(cut)
+            tails.append(len(tail))
+            self.rows.append(_Row(i, list(prompt), budgets[i], len(tail), cut))
+        self.runner.admit(prefixes)
+        self._append_rows(blocks, starts, tails)
+
+    def _append_rows(self, blocks: list[list[int]], starts: list[int], tails: list[int]) -> None:
+        dev, n = self.device, len(blocks)
+        masked = torch.arange(self.b, device=dev)[None, :] >= torch.tensor(tails, device=dev)[:, None]
+        zeros = torch.zeros(n, dtype=torch.long, device=dev)
+        self.tokens = torch.cat([self.tokens, torch.tensor(blocks, dtype=torch.long, device=dev)])
+        self.masked = torch.cat([self.masked, masked])
+        self.start = torch.cat([self.start, torch.tensor(starts, dtype=torch.long, device=dev)])
+        self.t_block = torch.cat([self.t_block, zeros])
+        self.counter = torch.cat([self.counter, zeros])
+        self.rec_step = torch.cat([self.rec_step, torch.zeros(n, self.b, dtype=torch.long, device=dev)])
+        self.rec_logp = torch.cat([self.rec_logp, torch.zeros(n, self.b, device=dev)])
+        self.rec_conf = torch.cat([self.rec_conf, torch.zeros(n, self.b, device=dev)])
+
+    # ------------------------------------------------------------ one denoising step
+
+    def _positions(self) -> Tensor:
+        return self.start[:, None] + torch.arange(self.b, device=self.device)
+
+    def _step(self) -> Tensor:
+        """One forward of every active block: rows with masks denoise (scheduled tokens committed, step /
+        logprob / confidence recorded), rows without masks commit their block. Returns the committing rows."""
+        saving = ~self.masked.any(1)
+        hidden = self.runner.step(self.tokens, self._positions(), saving if self.n_saving else None)
+        if self.n_saving == len(self.rows):  # a pure commit pass: no logits needed
+            return saving
+        self.stats.denoise_forwards += 1
+        draw = draw_tokens(self.adapter.logits(hidden), self.params, self.generator, self.adapter.mask_id,
+                           self.adapter.pad_id)
+        n_t = self.schedule[self.t_block.clamp(max=self.schedule.numel() - 1)]
+        transfer = select_transfer(draw, self.masked, n_t, self.params, self.generator)
+        denoising = (~saving).long()
+        self.counter += denoising
+        self.t_block += denoising
+        self.tokens = torch.where(transfer, draw.tokens, self.tokens)
+        self.masked &= ~transfer
+        self.rec_step = torch.where(transfer, self.counter[:, None], self.rec_step)
+        self.rec_logp = torch.where(transfer, draw.logprob, self.rec_logp)
+        self.rec_conf = torch.where(transfer, draw.confidence, self.rec_conf)
+        return saving
+
+    # ------------------------------------------------------------ block completion
+
+    def _after_step(self, saving: Tensor) -> list[Trajectory]:
+        """The step's one host sync: rows that committed (cut, retire or advance) and rows that commit next."""
+        complete = ~self.masked.any(1)
+        if not self.runner.commit_pass:  # nothing to store: a complete block is final at once
+            saving = complete
+        flags = (saving.long() + 2 * (complete & ~saving).long()).tolist()
+        self.n_saving = flags.count(2)
+        saved = [i for i, f in enumerate(flags) if f == 1]
+        return self._finish_blocks(saved) if saved else []
+
+    def _finish_blocks(self, saved: list[int]) -> list[Trajectory]:
+        """Cut the committed blocks at stops / budget, retire finished rows, open the next block of the others."""
+        idx = torch.tensor(saved, dtype=torch.long, device=self.device)
+        for i in saved:
+            self.rows[i].cached += self.b
+        self.runner.saved(saved, self.tokens[idx], max(r.cached for r in self.rows))
+        packed = torch.cat([self.tokens[idx].double(), self.rec_step[idx].double(), self.rec_logp[idx].double(),
+                            self.rec_conf[idx].double()], 1).tolist()
+        b = self.b
+        done, finished = [], []
+        for row_idx, row in zip(saved, packed):
+            tokens, steps = [int(x) for x in row[:b]], [int(x) for x in row[b:2 * b]]
+            traj = self._absorb_block(self.rows[row_idx], tokens, steps, row[2 * b:3 * b], row[3 * b:])
+            if traj is not None:
+                done.append(traj)
+                finished.append(row_idx)
+        self._advance(idx, finished)
+        return done
+
+    def _absorb_block(self, row: _Row, tokens: list[int], steps: list[int], logps: list[float],
+                      confs: list[float]) -> Trajectory | None:
+        """Append the block's response tokens to ``row``; a Trajectory when the row is finished."""
+        first = row.tail_len
+        row.tail_len = 0
+        reason = None
+        end = self.b
+        for pos in range(first, self.b):
+            if len(row.response) >= row.budget:
+                reason, end = "length", pos
+                break
+            tok = tokens[pos]
+            row.response.append(tok)
+            row.steps.append(steps[pos])
+            row.logprobs.append(logps[pos])
+            row.confidences.append(confs[pos])
+            if tok in self.stop_ids:
+                reason, end = ("eos" if tok in self.eos_ids else "stop"), pos + 1
+                break
+        if reason is None and len(row.response) >= row.budget:
+            reason = "length"
+        if reason is None:
+            return None
+        return self._trajectory(row, reason, tokens[end:], steps[end:])
+
+    def _trajectory(self, row: _Row, reason: str, tail_ids: list[int], tail_steps: list[int]) -> Trajectory:
+        tok = self.adapter.tokenizer
+        text = tok.decode(row.response, skip_special_tokens=False) if tok is not None else ""
+        self.stats.generated_tokens += len(row.response)
+        traj = Trajectory(prompt_ids=row.prompt, response_ids=row.response, step_map=row.steps,
+                          logprobs=row.logprobs, finish_reason=reason, text=text, confidences=row.confidences,
+                          tail_ids=list(tail_ids), tail_steps=list(tail_steps), block_size=self.b,
+                          meta={"index": row.index})
+        if self.on_finish is not None:
+            self.on_finish(traj)
+        return traj
+
+    def _advance(self, complete: Tensor, finished: list[int]) -> None:
+        """Open the next block of the rows that go on; drop the finished rows from the batch."""
+        self.start[complete] += self.b
+        self.tokens[complete] = self.adapter.mask_id
+        self.masked[complete] = True
+        self.t_block[complete] = 0
+        self.rec_step[complete] = 0
+        if not finished:
+            return
+        gone = set(finished)
+        keep_list = [i for i in range(len(self.rows)) if i not in gone]
+        keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
+        self.rows = [self.rows[i] for i in keep_list]
+        for name in ("tokens", "masked", "start", "t_block", "counter", "rec_step", "rec_logp", "rec_conf"):
+            setattr(self, name, getattr(self, name)[keep])
+        if keep_list:
+            self.runner.keep(keep)
+        else:
+            self.runner = type(self.runner)(self.adapter, self.b, self.stats)

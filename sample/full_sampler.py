@@ -1,0 +1,358 @@
+"""Batched semi-autoregressive sampler for full-attention models (Dream, DiffuCoder, LLaDA, MMaDA).
+
+Each row's canvas is its prompt followed by G masks (G = max_tokens rounded up to a multiple of block_length);
+the batch is LEFT-padded, pads are invalid keys and position ids skip them, so a row's result does not depend on
+its batch mates (REFERENCE 16.13 not copied). Blocks of ``block_length`` are decoded left to right; ``steps``
+is spread over the blocks (earlier blocks get the remainder) and, inside a block, the block's masks are spread
+evenly over its steps with no zero-transfer iteration (REFERENCE 16.12 not copied). The remasking strategies are
+the block models' (sample/strategies.py); "low_confidence_dynamic" keeps the block-model rule (every candidate
+with confidence > threshold when there are at least n_t of them, else the top n_t), not the reference's
+">= threshold, else the single best". Every row keeps its own step counter starting at 1 (the reference shares
+one across the batch); rows join and leave independently (continuous batching).
+
+Shifted families (``adapter.shift_logits``): the token at column c is predicted by the hidden state at c-1. For
+an empty prompt there is no earlier state, so the first response token is predicted by its own position (the
+reference's "duplicate the first logit" convention); the trainer must do the same.
+
+Cache modes: "none" runs the whole canvas every step (exact: the recorded log-probabilities are those of a plain
+full forward of the canvas state). "prefix" (Fast-dLLM): at a block's first step one full forward doubles as a
+cache refresh that keeps K/V of the columns before the window; later steps run only the window
+[block_start - shift, min(block_end + further_horizon, canvas_end)). "dual" also keeps the suffix K/V from the
+refresh (the window's columns marked invalid) and runs only [block_start - shift, block_end). Both are
+approximations: their log-probabilities are those of the cached context.
+
+A row is finished when its decoded region holds a stop token with no mask before it, or when its first
+max_tokens positions are decoded. The response is cut after the stop token (or at max_tokens); all canvas
+positions after the cut go to ``tail_ids`` / ``tail_steps``: decoded tokens with their step, and positions
+never decoded as the mask id with step = (the row's last step + 1), so that the trainer can rebuild every
+context exactly (they were masked whenever a response token was decoded).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.common import AttentionLayout, KVCache
+from sample.block_sampler import SamplerStats, join_rows, replace_rows, rows_only_cache
+from sample.params import SamplingParams
+from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer, split_steps
+from sample.trajectory import Trajectory
+
+_STATE = ("canvas", "valid", "pos", "decoded", "rec_step", "rec_logp", "rec_conf", "blk", "t_block", "counter",
+          "plen")
+
+
+@dataclass
+class _FullRow:
+    index: int
+    prompt: list[int]
+    blk: int = 0  # current block index
+    t_block: int = 0  # steps done in the current block (0 = needs a cache refresh)
+    masks_left: int = 0  # masks left in the current block
+
+
+class FullSampler:
+    """Samples many prompts with a full-attention adapter; see the module docstring."""
+
+    def __init__(self, adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,
+                 generator: torch.Generator, on_finish: Callable[[Trajectory], None] | None = None):
+        self.adapter, self.params, self.generator = adapter, params, generator
+        self.bl = params.block_length
+        self.n_blocks = -(-params.max_tokens // self.bl)
+        self.gen_len = self.n_blocks * self.bl
+        per_block = split_steps(params.steps or self.gen_len, self.n_blocks)
+        self.device = next(adapter.model.parameters()).device
+        self.schedule = schedule_table([block_schedule(self.bl, s) for s in per_block], self.bl).to(self.device)
+        self.shift = 1 if adapter.shift_logits else 0
+        self.stop_ids, self.eos_ids = stop_ids, set(adapter.eos_ids)
+        self.stop_tensor = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.long, device=self.device)
+        self.limit, self.on_finish = limit, on_finish
+        self.stats = SamplerStats()
+        self.num_layers = len(adapter.new_cache().keys)
+        self.rows: list[_FullRow] = []
+        self.width = 0  # W: prompt columns (left-padded) before the generated region
+        self.cache: KVCache | None = None
+        self._init_state()
+
+    def _init_state(self) -> None:
+        dev, g = self.device, self.gen_len
+        long0 = dict(dtype=torch.long, device=dev)
+        self.canvas = torch.empty(0, g, **long0)
+        self.valid = torch.empty(0, g, dtype=torch.bool, device=dev)
+        self.pos = torch.empty(0, g, **long0)
+        self.decoded = torch.empty(0, g, dtype=torch.bool, device=dev)
+        self.rec_step = torch.empty(0, g, **long0)
+        self.rec_logp = torch.empty(0, g, dtype=torch.float32, device=dev)
+        self.rec_conf = torch.empty(0, g, dtype=torch.float32, device=dev)
+        for name in ("blk", "t_block", "counter", "plen"):
+            setattr(self, name, torch.empty(0, **long0))
+        self.width = 0
+        self.cache = None
+
+    def check_prompt(self, index: int, prompt: list[int]) -> None:
+        """A clear error when prompt + canvas does not fit the model's positions."""
+        if self.limit is not None and len(prompt) + self.gen_len > self.limit:
+            raise ValueError(f"prompt {index} has {len(prompt)} tokens; with max_tokens {self.params.max_tokens} "
+                             f"rounded up to {self.gen_len} (block_length {self.bl}) it needs "
+                             f"{len(prompt) + self.gen_len} positions, but the model accepts {self.limit} "
+                             "(max_position_embeddings)")
+
+    def run(self, prompts: list[list[int]]) -> list[Trajectory]:
+        for i, p in enumerate(prompts):
+            self.check_prompt(i, p)
+        pending = deque(range(len(prompts)))
+        results: list[Trajectory | None] = [None] * len(prompts)
+        while pending or self.rows:
+            self._admit(pending, prompts)
+            self._denoise_step()
+            for traj in self._after_step():
+                results[traj.meta.pop("index")] = traj
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------ admission and removal
+
+    def _admit(self, pending: deque, prompts: list[list[int]]) -> None:
+        free = self.params.max_active - len(self.rows)
+        if free <= 0 or not pending:
+            return
+        new = [pending.popleft() for _ in range(min(free, len(pending)))]
+        self._widen(max(len(prompts[i]) for i in new))
+        dev, w, g = self.device, self.width, self.gen_len
+        rows = [[self.adapter.pad_id] * (w - len(prompts[i])) + list(prompts[i]) + [self.adapter.mask_id] * g
+                for i in new]
+        canvas = torch.tensor(rows, dtype=torch.long, device=dev)
+        plen = torch.tensor([len(prompts[i]) for i in new], dtype=torch.long, device=dev)
+        valid = torch.arange(w + g, device=dev)[None, :] >= (w - plen)[:, None]
+        pos = (valid.long().cumsum(1) - 1).clamp(min=0).masked_fill(~valid, 0)
+        n = len(new)
+        zeros_g = torch.zeros(n, g, dtype=torch.long, device=dev)
+        zeros_n = torch.zeros(n, dtype=torch.long, device=dev)
+        add = {"canvas": canvas, "valid": valid, "pos": pos, "decoded": zeros_g.bool(), "rec_step": zeros_g,
+               "rec_logp": zeros_g.float(), "rec_conf": zeros_g.float(), "blk": zeros_n, "t_block": zeros_n,
+               "counter": zeros_n, "plen": plen}
+        for name in _STATE:
+            setattr(self, name, torch.cat([getattr(self, name), add[name]]))
+        if self.params.cache != "none":
+            self.cache = join_rows(self.cache, rows_only_cache(n, self.num_layers, dev))
+        self.rows.extend(_FullRow(i, list(prompts[i]), masks_left=self.bl) for i in new)
+
+    def _widen(self, prompt_len: int) -> None:
+        """Left-pad the canvas so that prompts of ``prompt_len`` tokens fit (cached K/V are column-free)."""
+        extra = prompt_len - self.width
+        if extra <= 0:
+            return
+        if self.canvas.shape[0]:
+            self.canvas = F.pad(self.canvas, (extra, 0), value=self.adapter.pad_id)
+            self.valid = F.pad(self.valid, (extra, 0), value=False)
+            self.pos = F.pad(self.pos, (extra, 0), value=0)
+        else:
+            self.canvas = self.canvas.new_empty(0, prompt_len + self.gen_len)
+            self.valid = self.valid.new_empty(0, prompt_len + self.gen_len)
+            self.pos = self.pos.new_empty(0, prompt_len + self.gen_len)
+        self.width = prompt_len
+
+    def _drop(self, finished: list[int]) -> None:
+        gone = set(finished)
+        keep_list = [i for i in range(len(self.rows)) if i not in gone]
+        if not keep_list:
+            self.rows = []
+            self._init_state()
+            return
+        keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
+        self.rows = [self.rows[i] for i in keep_list]
+        for name in _STATE:
+            setattr(self, name, getattr(self, name)[keep])
+        if self.cache is not None:
+            self.cache = self.cache.select_rows(keep)
+        new_width = max(len(r.prompt) for r in self.rows)
+        if new_width < self.width:
+            cut = self.width - new_width
+            self.canvas, self.valid, self.pos = self.canvas[:, cut:], self.valid[:, cut:], self.pos[:, cut:]
+            self.width = new_width
+
+    # ------------------------------------------------------------ one denoising step
+
+    def _candidates(self) -> tuple[Tensor, Tensor]:
+        """Masked positions of each row's current block, left to right: (gen-region index [R, K], valid)."""
+        k = max(r.masks_left for r in self.rows)
+        cols = self.blk[:, None] * self.bl + torch.arange(self.bl, device=self.device)
+        masked = ~self.decoded.gather(1, cols)
+        order = torch.sort((~masked).to(torch.uint8), dim=1, stable=True).indices[:, :k]
+        return cols.gather(1, order), masked.gather(1, order)
+
+    def _predicting_columns(self, cand: Tensor) -> Tensor:
+        """Canvas column whose hidden state predicts each candidate (c - 1 when shifted, never before the row)."""
+        cols = self.adapter.predicting_index(cand + self.width)
+        first_real = (self.width - self.plen)[:, None]
+        return torch.maximum(cols, first_real)
+
+    def _denoise_step(self) -> None:
+        cand, cand_valid = self._candidates()
+        hidden = self._candidate_hidden(self._predicting_columns(cand))
+        self.stats.denoise_forwards += 1
+        draw = draw_tokens(self.adapter.logits(hidden), self.params, self.generator, self.adapter.mask_id,
+                           self.adapter.pad_id)
+        n_t = self.schedule[self.blk, self.t_block.clamp(max=self.schedule.shape[1] - 1)]
+        transfer = select_transfer(draw, cand_valid, n_t, self.params, self.generator)
+        self.counter += 1
+        self.t_block += 1
+        self._write(cand, transfer, draw)
+
+    def _write(self, cand: Tensor, transfer: Tensor, draw) -> None:
+        """Commit the transferred candidates to the canvas and record step / logprob / confidence."""
+        def put(grid: Tensor, values: Tensor) -> Tensor:
+            return grid.scatter(1, cand, torch.where(transfer, values, grid.gather(1, cand)))
+
+        gen = put(self.canvas[:, self.width:], draw.tokens)
+        self.canvas = torch.cat([self.canvas[:, :self.width], gen], 1)
+        self.decoded = put(self.decoded, torch.ones_like(transfer))
+        self.rec_step = put(self.rec_step, self.counter[:, None].expand_as(cand))
+        self.rec_logp = put(self.rec_logp, draw.logprob)
+        self.rec_conf = put(self.rec_conf, draw.confidence)
+
+    def _candidate_hidden(self, pred_cols: Tensor) -> Tensor:
+        """Hidden states [R, K, H] at the predicting columns, computed as the cache mode prescribes."""
+        if self.params.cache == "none":
+            hidden = self._forward(self.canvas, self.pos, self.valid)
+            return _gather_rows(hidden, pred_cols)
+        refresh = [i for i, r in enumerate(self.rows) if r.t_block == 0]
+        if len(refresh) == len(self.rows):
+            return self._refresh(None, pred_cols)
+        if not refresh:
+            return self._window(None, pred_cols)
+        g1 = torch.tensor(refresh, dtype=torch.long, device=self.device)
+        g2 = torch.tensor([i for i in range(len(self.rows)) if self.rows[i].t_block], device=self.device)
+        h2 = self._window(g2, pred_cols[g2])  # reads the old cache rows of g2 before g1's rows are replaced
+        h1 = self._refresh(g1, pred_cols[g1])
+        out = h1.new_empty(len(self.rows), *h1.shape[1:])
+        out[g1], out[g2] = h1, h2
+        return out
+
+    def _forward(self, ids: Tensor, pos: Tensor, valid: Tensor, cache: KVCache | None = None,
+                 store_kv: bool = False) -> Tensor:
+        self.stats.forwards += 1
+        return self.adapter.hidden(ids, pos, AttentionLayout.full(valid), cache, store_kv=store_kv)
+
+    def _window_bounds(self, rows: Tensor | None) -> tuple[Tensor, Tensor, int]:
+        """Per-row window [start, end) in canvas columns and the common (padded) window width."""
+        blk = self.blk if rows is None else self.blk[rows]
+        start = (self.width + blk * self.bl - self.shift).clamp(min=0)
+        block_end = self.width + (blk + 1) * self.bl
+        horizon = self.params.further_horizon if self.params.cache == "prefix" else 0
+        end = (block_end + horizon).clamp(max=self.canvas.shape[1])
+        host_rows = range(len(self.rows)) if rows is None else rows.tolist()
+        widths = [min(self.width + (self.rows[i].blk + 1) * self.bl + horizon, self.canvas.shape[1])
+                  - self._window_start(self.rows[i].blk) for i in host_rows]
+        return start, end, max(widths)
+
+    def _window_start(self, blk: int) -> int:
+        return max(self.width + blk * self.bl - self.shift, 0)
+
+    def _refresh(self, rows: Tensor | None, pred_cols: Tensor) -> Tensor:
+        """Full forward of the rows' canvas (their block's first step); keep K/V outside the window."""
+        sel = (lambda t: t) if rows is None else (lambda t: t[rows])
+        cache = self.adapter.new_cache()
+        hidden = self._forward(sel(self.canvas), sel(self.pos), sel(self.valid), cache, store_kv=True)
+        start, end, _ = self._window_bounds(rows)
+        col = torch.arange(cache.length, device=self.device)[None, :]
+        if self.params.cache == "prefix":
+            cache.valid = cache.valid & (col < start[:, None])
+            host_rows = range(len(self.rows)) if rows is None else rows.tolist()
+            cache.truncate(max(self._window_start(self.rows[i].blk) for i in host_rows))
+        else:
+            cache.valid = cache.valid & ((col < start[:, None]) | (col >= end[:, None]))
+        if rows is None:
+            self.cache = cache.compact()
+        else:
+            self.cache = replace_rows(self.cache, rows, cache)
+        return _gather_rows(hidden, pred_cols)
+
+    def _window(self, rows: Tensor | None, pred_cols: Tensor) -> Tensor:
+        """Forward of the rows' windows against their cached K/V (cache read only)."""
+        start, end, width = self._window_bounds(rows)
+        idx = start[:, None] + torch.arange(width, device=self.device)
+        inside = idx < end[:, None]
+        idx = idx.clamp(max=self.canvas.shape[1] - 1)
+        sel = (lambda t: t) if rows is None else (lambda t: t[rows])
+        ids, pos = sel(self.canvas).gather(1, idx), sel(self.pos).gather(1, idx)
+        valid = sel(self.valid).gather(1, idx) & inside
+        cache = self.cache if rows is None else self.cache.select_rows(rows)
+        hidden = self._forward(ids, pos, valid, cache)
+        return _gather_rows(hidden, pred_cols - start[:, None])
+
+    # ------------------------------------------------------------ after a step: blocks, stops, finished rows
+
+    def _status(self) -> list[list[int]]:
+        """Per row [masks left in block, finished, cut, stopped, token at the stop] (the one host sync)."""
+        g, budget = self.gen_len, self.params.max_tokens
+        gen = self.canvas[:, self.width:]
+        cols = self.blk[:, None] * self.bl + torch.arange(self.bl, device=self.device)
+        masks_left = (~self.decoded.gather(1, cols)).sum(1)
+        prefix_done = self.decoded.long().cumprod(1).bool()
+        is_stop = prefix_done & torch.isin(gen, self.stop_tensor)
+        has_stop = is_stop.any(1)
+        first_stop = torch.where(has_stop, is_stop.int().argmax(1), g)
+        stop_fin = first_stop < budget
+        finished = stop_fin | prefix_done[:, budget - 1]
+        cut = torch.where(stop_fin, first_stop + 1, budget)
+        stop_tok = gen.gather(1, first_stop.clamp(max=g - 1)[:, None]).squeeze(1)
+        return torch.stack([masks_left, finished.long(), cut, stop_fin.long(), stop_tok], 1).tolist()
+
+    def _after_step(self) -> list[Trajectory]:
+        status = self._status()
+        finished, advanced = [], []
+        for i, (masks_left, fin, *_) in enumerate(status):
+            row = self.rows[i]
+            row.t_block += 1
+            row.masks_left = masks_left
+            if fin:
+                finished.append(i)
+            elif masks_left == 0:
+                row.blk, row.t_block, row.masks_left = row.blk + 1, 0, self.bl
+                advanced.append(i)
+        if advanced:
+            idx = torch.tensor(advanced, dtype=torch.long, device=self.device)
+            self.blk[idx] += 1
+            self.t_block[idx] = 0
+        done = self._trajectories(finished, [status[i] for i in finished]) if finished else []
+        if finished:
+            self._drop(finished)
+        return done
+
+    def _trajectories(self, finished: list[int], status: list[list[int]]) -> list[Trajectory]:
+        idx = torch.tensor(finished, dtype=torch.long, device=self.device)
+        gen = self.canvas[idx, self.width:]
+        tokens = torch.where(self.decoded[idx], gen, self.adapter.mask_id)
+        after_end = (self.counter[idx] + 1)[:, None].expand_as(gen)
+        steps = torch.where(self.decoded[idx], self.rec_step[idx], after_end)
+        host = [t.tolist() for t in (tokens, steps, self.rec_logp[idx], self.rec_conf[idx])]
+        out = []
+        for j, (i, (_, _, cut, stopped, stop_tok)) in enumerate(zip(finished, status)):
+            toks, stps, logps, confs = (h[j] for h in host)
+            reason = ("eos" if stop_tok in self.eos_ids else "stop") if stopped else "length"
+            out.append(self._trajectory(self.rows[i], reason, toks, stps, logps, confs, cut))
+        return out
+
+    def _trajectory(self, row: _FullRow, reason: str, toks: list[int], stps: list[int], logps: list[float],
+                    confs: list[float], cut: int) -> Trajectory:
+        tok = self.adapter.tokenizer
+        response = toks[:cut]
+        text = tok.decode(response, skip_special_tokens=False) if tok is not None else ""
+        self.stats.generated_tokens += cut
+        traj = Trajectory(prompt_ids=row.prompt, response_ids=response, step_map=stps[:cut], logprobs=logps[:cut],
+                          finish_reason=reason, text=text, confidences=confs[:cut], tail_ids=toks[cut:],
+                          tail_steps=stps[cut:], block_size=self.bl, meta={"index": row.index})
+        if self.on_finish is not None:
+            self.on_finish(traj)
+        return traj
+
+
+def _gather_rows(hidden: Tensor, cols: Tensor) -> Tensor:
+    """hidden [R, N, H] at per-row columns [R, K] -> [R, K, H]."""
+    return hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))

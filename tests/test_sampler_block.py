@@ -1,0 +1,190 @@
+"""Block-model sampler (SDAR family): batching, cache, strategies, step maps, log-probs, stops and limits."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import pytest
+import torch
+
+from models.registry import Adapter
+from sample.generate import Rollout, generate
+from sample.params import SamplingParams
+from tests.test_sampler_utils import prompts_of, replay_block, sharp_tiny
+
+B = 4
+
+
+@pytest.fixture(scope="module")
+def sdar(demo_tokenizer):
+    return sharp_tiny("sdar", demo_tokenizer, seed=1)
+
+
+def _greedy(**kw) -> SamplingParams:
+    base = dict(max_tokens=14, temperature=0.0, stop_token_ids=[], ignore_eos=True)
+    return SamplingParams(**{**base, **kw})
+
+
+def _key(traj):
+    return traj.response_ids, traj.step_map, traj.tail_ids, traj.tail_steps, traj.finish_reason
+
+
+@pytest.mark.parametrize("strategy", ["low_confidence_static", "low_confidence_dynamic"])
+def test_batched_equals_one_at_a_time_with_continuous_batching(sdar, strategy):
+    prompts = prompts_of()
+    params = _greedy(remasking_strategy=strategy, dynamic_threshold=0.5, max_active=3)
+    batched = generate(sdar, prompts, params, progress=False)
+    singles = [generate(sdar, [p], params, progress=False)[0] for p in prompts]
+    assert [_key(t) for t in batched] == [_key(t) for t in singles]
+    for b, s in zip(batched, singles):
+        assert b.logprobs == pytest.approx(s.logprobs, abs=1e-4)
+    assert len({tuple(t.response_ids) for t in batched}) > 1, "prompts should give different responses"
+
+
+def test_top_k_one_is_greedy_with_ties_broken_left_to_right(sdar):
+    """top_k=1 makes every confidence 1.0 (as in the reference engine), so static decodes left to right."""
+    prompts = prompts_of((3, 7))
+    a = generate(sdar, prompts, _greedy(remasking_strategy="sequential"), progress=False)
+    b = generate(sdar, prompts, _greedy(temperature=1.0, top_k=1, seed=5), progress=False)
+    assert [_key(t) for t in a] == [_key(t) for t in b]
+    assert all(c == 1.0 for t in b for c in t.confidences)
+
+
+def test_cache_and_no_cache_give_identical_tokens(sdar):
+    prompts = prompts_of()
+    cached = generate(sdar, prompts, _greedy(max_active=4), progress=False)
+    slow = generate(sdar, prompts, _greedy(max_active=4, cache="none"), progress=False)
+    assert [_key(t) for t in cached] == [_key(t) for t in slow]
+    for c, s in zip(cached, slow):
+        assert c.logprobs == pytest.approx(s.logprobs, abs=1e-4)
+    assert slow.stats.forwards < cached.stats.forwards  # no prefill / commit passes without a cache
+
+
+@pytest.mark.parametrize("strategy,steps", [("low_confidence_static", 4), ("low_confidence_static", 2),
+                                            ("low_confidence_dynamic", 4), ("sequential", 3),
+                                            ("entropy_bounded", 4)])
+def test_step_maps_and_logprobs_match_an_independent_replay(sdar, strategy, steps):
+    prompts = prompts_of((1, 3, 6, 8))
+    params = _greedy(remasking_strategy=strategy, denoising_steps=steps, dynamic_threshold=0.5,
+                     eb_threshold=1.0, max_active=2)
+    for traj in generate(sdar, prompts, params, progress=False):
+        assert traj.block_size == B and len(traj.response_ids) == 14
+        replay_block(sdar, traj, B, steps, strategy, threshold=0.5, eb_threshold=1.0)
+
+
+def test_static_commits_the_scheduled_count_and_sequential_goes_left_to_right(sdar):
+    static = generate(sdar, prompts_of((4,)), _greedy(max_tokens=16, denoising_steps=2), progress=False)[0]
+    counts = [static.step_map.count(s) for s in range(1, max(static.step_map) + 1)]
+    assert counts == [2] * 8
+    seq = generate(sdar, prompts_of((4,)), _greedy(max_tokens=16, remasking_strategy="sequential"),
+                   progress=False)[0]
+    assert seq.step_map == list(range(1, 17))
+
+
+def test_dynamic_commits_above_threshold_in_one_step(sdar):
+    params = _greedy(remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.0, max_tokens=12)
+    traj = generate(sdar, prompts_of((4,)), params, progress=False)[0]
+    assert traj.step_map == [1] * 4 + [2] * 4 + [3] * 4  # every confidence > 0: whole block per step
+
+
+def test_reference_parity_step_ids_with_prompt_tail(sdar):
+    """REFERENCE 17.7: b=4, 4 steps, P mod 4 = 2, static: first block steps {1, 2}, next block {3..6}."""
+    traj = generate(sdar, prompts_of((6,)), _greedy(max_tokens=6), progress=False)[0]
+    assert set(traj.step_map[:2]) == {1, 2}
+    assert set(traj.step_map[2:6]) == {3, 4, 5, 6}
+
+
+def test_sampling_is_reproducible_with_a_seed(sdar):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True,
+                            stop_token_ids=[])
+    prompts = prompts_of((2, 5))
+    a = generate(sdar, prompts, params, progress=False)
+    b = generate(sdar, prompts, params, progress=False)
+    assert [t.response_ids for t in a] == [t.response_ids for t in b]
+    c = generate(sdar, prompts, replace(params, seed=8), progress=False)
+    assert [t.response_ids for t in a] != [t.response_ids for t in c]
+
+
+def test_stop_token_cuts_the_block_and_keeps_the_rest_as_tail(sdar):
+    prompt = prompts_of((5,))
+    free = generate(sdar, prompt, _greedy(max_tokens=16), progress=False)[0]
+    stop_at = next(i for i in range(1, 16) if free.response_ids[i] not in free.response_ids[:i])
+    stop_tok = free.response_ids[stop_at]
+    got = generate(sdar, prompt, _greedy(max_tokens=16, stop_token_ids=[stop_tok]), progress=False)[0]
+    assert got.finish_reason == "stop"
+    assert got.response_ids == free.response_ids[:stop_at + 1]
+    assert got.step_map == free.step_map[:stop_at + 1]
+    block_end = ((5 + stop_at) // B + 1) * B - 5  # response index where the stop's block ends
+    assert got.tail_ids == free.response_ids[stop_at + 1:block_end]
+    assert got.tail_steps == free.step_map[stop_at + 1:block_end]
+    eos_adapter = replace(sdar, eos_ids=(stop_tok,))
+    as_eos = generate(eos_adapter, prompt, SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[]),
+                      progress=False)[0]
+    assert as_eos.finish_reason == "eos" and as_eos.response_ids == got.response_ids
+
+
+def test_stop_in_the_prompt_tail_is_ignored(sdar, demo_tokenizer):
+    eos = demo_tokenizer.eos_token_id
+    prompt = [30, 31, 32, 33, 34, eos]  # the eos sits in the first active block, before the response
+    free = generate(sdar, [prompt], _greedy(max_tokens=6), progress=False)[0]
+    got = generate(sdar, [prompt], SamplingParams(max_tokens=6, temperature=0), progress=False)[0]
+    cut = free.response_ids.index(eos) + 1 if eos in free.response_ids else 6
+    assert got.response_ids == free.response_ids[:cut]
+    assert got.finish_reason == ("eos" if cut < 6 or free.response_ids[-1] == eos else "length")
+
+
+def test_max_tokens_cuts_mid_block(sdar):
+    traj = generate(sdar, prompts_of((3,)), _greedy(max_tokens=3), progress=False)[0]
+    assert traj.finish_reason == "length" and len(traj.response_ids) == 3
+    assert len(traj.tail_ids) == 2  # the block [4, 8) holds response 1..3 and two decoded tail tokens
+
+
+def test_stop_strings_must_be_single_tokens(sdar):
+    stop = SamplingParams(stop=["<|im_end|>"]).stop_ids(sdar.tokenizer, sdar.eos_ids, sdar.stop_ids)
+    assert sdar.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop
+    with pytest.raises(ValueError, match="not a single token"):
+        generate(sdar, [[1, 2]], SamplingParams(stop=["the quick brown fox"]), progress=False)
+
+
+def test_prompt_longer_than_the_model_limit_is_a_clear_error(demo_tokenizer):
+    small = sharp_tiny("sdar", demo_tokenizer, max_position_embeddings=32)
+    with pytest.raises(ValueError, match=r"prompt 1 has 40 tokens.*32 positions"):
+        generate(small, [[1, 2], [5] * 40], _greedy(), progress=False)
+    near = generate(small, [[5] * 26], _greedy(max_tokens=20), progress=False)[0]
+    assert near.finish_reason == "length" and len(near.response_ids) == 32 - 26
+
+
+def test_empty_prompt_and_chat_prompts(sdar):
+    out = generate(sdar, [[], "hello", [{"role": "user", "content": "hi"}]], _greedy(max_tokens=4),
+                   progress=False)
+    assert isinstance(out, Rollout) and len(out) == 3
+    assert out[0].prompt_ids == [] and len(out[0].response_ids) == 4
+    assert out[1].prompt_ids == sdar.encode_chat("hello")
+    assert out[2].prompt_ids == sdar.encode_chat([{"role": "user", "content": "hi"}])
+    stats = out.stats
+    assert stats.generated_tokens == 12 and stats.tokens_per_second > 0
+    assert stats.tokens_per_forward == pytest.approx(12 / stats.forwards)
+
+
+class _ThinkAdapter(Adapter):
+    """Pushes every prediction towards ``<think>`` to check that added tokens decode as themselves."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = super().logits(hidden).clone()
+        out[..., self.tokenizer.convert_tokens_to_ids("<think>")] += 1000.0
+        return out
+
+
+def test_think_token_decodes_as_itself(sdar):
+    think = _ThinkAdapter(**{f.name: getattr(sdar, f.name) for f in fields(sdar)})
+    traj = generate(think, [[20, 21, 22]], _greedy(max_tokens=3), progress=False)[0]
+    assert traj.text == "<think>" * 3
+
+
+def test_bfloat16_model_samples(demo_tokenizer):
+    bf16 = sharp_tiny("sdar", demo_tokenizer, seed=3)
+    bf16.model.to(torch.bfloat16)
+    out = generate(bf16, prompts_of((3, 8)), SamplingParams(max_tokens=6, seed=0, ignore_eos=True,
+                                                             stop_token_ids=[], max_active=1), progress=False)
+    assert [len(t.response_ids) for t in out] == [6, 6]
+    assert all(isinstance(x, float) and x <= 0 for t in out for x in t.logprobs)

@@ -1,0 +1,98 @@
+"""Full-attention sampler (Dream: shifted, LLaDA/MMaDA: unshifted): batching, cache modes, replay, stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from sample.generate import generate
+from sample.params import SamplingParams
+from tests.test_sampler_utils import prompts_of, replay_full, sharp_tiny
+
+BL = 4
+
+
+@pytest.fixture(scope="module", params=["dream", "llada"])
+def full(request, demo_tokenizer):
+    return sharp_tiny(request.param, demo_tokenizer, seed=2)
+
+
+def _greedy(**kw) -> SamplingParams:
+    base = dict(max_tokens=10, temperature=0.0, stop_token_ids=[], ignore_eos=True, block_length=BL, steps=9,
+                further_horizon=2)
+    return SamplingParams(**{**base, **kw})
+
+
+def _key(traj):
+    return traj.response_ids, traj.step_map, traj.tail_ids, traj.tail_steps, traj.finish_reason
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_batched_left_padded_equals_one_at_a_time(full, cache):
+    prompts = prompts_of()
+    params = _greedy(cache=cache, max_active=3)
+    batched = generate(full, prompts, params, progress=False)
+    singles = [generate(full, [p], params, progress=False)[0] for p in prompts]
+    assert [_key(t) for t in batched] == [_key(t) for t in singles]
+    for b, s in zip(batched, singles):
+        assert b.logprobs == pytest.approx(s.logprobs, abs=1e-4)
+        assert b.block_size == BL and len(b.response_ids) == 10 and len(b.tail_ids) == 2
+    assert len({tuple(t.response_ids) for t in batched}) > 1
+
+
+def test_cache_none_logprobs_and_schedule_match_an_independent_replay(full):
+    params = _greedy(steps=7, cache="none")  # 3 blocks of 4: steps 3, 2, 2 -> transfers [2,1,1], [2,2], [2,2]
+    for traj in generate(full, prompts_of((0, 3, 6)), params, progress=False):
+        assert replay_full(full, traj, BL, 7) == max(traj.step_map) >= 6
+
+
+def test_no_zero_transfer_steps_and_per_row_counters(full):
+    params = _greedy(steps=24, max_tokens=8)  # more steps than tokens: one token per step, never zero
+    out = generate(full, prompts_of((2, 7)), params, progress=False)
+    for traj in out:
+        assert sorted(traj.step_map) == list(range(1, 9))
+
+
+def test_stop_token_finishes_the_row_and_keeps_the_canvas_as_tail(full):
+    prompt = prompts_of((5,))
+    free = generate(full, prompt, _greedy(max_tokens=12), progress=False)[0]
+    stop_at = next(i for i in range(1, 12) if free.response_ids[i] not in free.response_ids[:i])
+    stop_tok = free.response_ids[stop_at]
+    got = generate(full, prompt, _greedy(max_tokens=12, stop_token_ids=[stop_tok]), progress=False)[0]
+    assert got.finish_reason == "stop" and got.response_ids == free.response_ids[:stop_at + 1]
+    assert got.step_map == free.step_map[:stop_at + 1]
+    assert len(got.response_ids) + len(got.tail_ids) == 12
+    last = max(got.step_map + [s for t, s in zip(got.tail_ids, got.tail_steps) if t != full.mask_id])
+    for tok, step, free_tok, free_step in zip(got.tail_ids, got.tail_steps, free.response_ids[stop_at + 1:],
+                                              free.step_map[stop_at + 1:]):
+        if tok == full.mask_id:
+            assert step == last + 1  # never decoded: masked in every recorded context
+        else:
+            assert (tok, step) == (free_tok, free_step)
+
+
+def test_max_tokens_not_a_multiple_of_the_block(full):
+    traj = generate(full, prompts_of((3,)), _greedy(max_tokens=6, steps=8), progress=False)[0]
+    assert traj.finish_reason == "length" and len(traj.response_ids) == 6
+    assert len(traj.tail_ids) == 2
+
+
+def test_prompt_plus_canvas_beyond_the_limit_is_a_clear_error(demo_tokenizer):
+    small = sharp_tiny("llada", demo_tokenizer, max_position_embeddings=24)
+    with pytest.raises(ValueError, match=r"prompt 1 has 20 tokens.*24"):
+        generate(small, [[1, 2], [3] * 20], _greedy(), progress=False)
+
+
+def test_sampling_options_run_and_are_reproducible(full):
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=40, alg_temp=0.5, seed=3,
+                            block_length=4, steps=6, target="margin_confidence", pad_target_penalty=2.0,
+                            remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.3)
+    a = generate(full, prompts_of((2, 4)), params, progress=False)
+    b = generate(full, prompts_of((2, 4)), params, progress=False)
+    assert [t.response_ids for t in a] == [t.response_ids for t in b]
+    assert all(t.finish_reason in ("eos", "stop", "length") for t in a)
+
+
+def test_mmada_uses_the_same_full_attention_path(demo_tokenizer):
+    mmada = sharp_tiny("mmada", demo_tokenizer, seed=4)
+    out = generate(mmada, prompts_of((2, 5)), _greedy(cache="dual", max_active=1), progress=False)
+    assert [len(t.response_ids) for t in out] == [10, 10] and out[0].block_size == BL
