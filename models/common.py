@@ -143,18 +143,80 @@ class KVCache:
         if self.valid is not None:
             self.valid = self.valid[:, :n]
 
+    @classmethod
+    def empty(cls, n_rows: int, num_layers: int, device: torch.device | str) -> KVCache:
+        """A cache for ``n_rows`` rows that have nothing cached yet (no key tensors, zero columns)."""
+        out = cls(num_layers)
+        out.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=device)
+        return out
+
+    def _with_tensors(self, template: KVCache) -> KVCache:
+        """This cache with zero-width key/value tensors shaped like ``template``'s if it has none yet."""
+        if self.keys[0] is not None or template.keys[0] is None:
+            return self
+        n = self.valid.shape[0]
+        out = KVCache(len(self.keys))
+        out.keys = [k.new_zeros(n, k.shape[1], self.length, k.shape[3]) for k in template.keys]
+        out.values = [v.new_zeros(n, v.shape[1], self.length, v.shape[3]) for v in template.values]
+        out.valid = self.valid
+        return out
+
     @staticmethod
     def concat_rows(caches: list[KVCache]) -> KVCache:
-        """Stack caches of different lengths row-wise; shorter ones get invalid columns at the end."""
+        """Stack caches of different lengths row-wise; shorter ones get invalid columns at the end.
+
+        Caches without key tensors yet (rows with nothing cached) are allowed."""
         caches = [c for c in caches if c.valid is not None and c.valid.shape[0] > 0]
-        n_layers = len(caches[0].keys)
+        template = next((c for c in caches if c.keys[0] is not None), None)
         width = max(c.length for c in caches)
-        out = KVCache(n_layers)
-        for idx in range(n_layers):
+        out = KVCache(len(caches[0].keys))
+        out.valid = torch.cat([F.pad(c.valid, (0, width - c.length), value=False) for c in caches], 0)
+        if template is None:
+            return out
+        caches = [c._with_tensors(template) for c in caches]
+        for idx in range(len(out.keys)):
             out.keys[idx] = torch.cat([_pad_cols(c.keys[idx], width) for c in caches], 0)
             out.values[idx] = torch.cat([_pad_cols(c.values[idx], width) for c in caches], 0)
-        out.valid = torch.cat([F.pad(c.valid, (0, width - c.length), value=False) for c in caches], 0)
         return out
+
+    @staticmethod
+    def join(first: KVCache | None, second: KVCache) -> KVCache:
+        """Rows of ``first`` (may be None or empty) followed by rows of ``second``."""
+        if first is None or first.valid is None or first.valid.shape[0] == 0:
+            return second
+        return KVCache.concat_rows([first, second])
+
+    def repack(self, width: int | None = None) -> KVCache:
+        """Every row's valid columns moved to the left, ``width`` columns kept (default: the most any row has).
+
+        Column order is kept (RoPE is already applied, so only relative order within a row matters)."""
+        if self.valid is None or self.keys[0] is None:
+            return self
+        counts = self.valid.sum(1)
+        width = int(counts.max()) if width is None else width
+        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        out = KVCache(len(self.keys))
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], width, k.shape[3])
+            out.keys[layer], out.values[layer] = k.gather(2, idx), v.gather(2, idx)
+        out.valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+        return out
+
+    def replace_rows(self, rows: Tensor, sub: KVCache) -> KVCache:
+        """This cache with ``rows`` replaced by the rows of ``sub`` (widths padded with invalid columns)."""
+        main = self._with_tensors(sub)
+        width = max(main.length, sub.length)
+        out = KVCache(len(main.keys))
+        for layer in range(len(main.keys)):
+            for store, big, small in ((out.keys, main.keys[layer], sub.keys[layer]),
+                                      (out.values, main.values[layer], sub.values[layer])):
+                big = F.pad(big, (0, 0, 0, width - big.shape[2]))
+                big[rows] = F.pad(small, (0, 0, 0, width - small.shape[2]))
+                store[layer] = big
+        valid = F.pad(main.valid, (0, width - main.length), value=False)
+        valid[rows] = F.pad(sub.valid, (0, width - sub.length), value=False)
+        out.valid = valid
+        return out.compact()
 
 
 def _pad_cols(t: Tensor, width: int) -> Tensor:

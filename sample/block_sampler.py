@@ -55,75 +55,6 @@ class _Row:
     confidences: list[float] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------- KV-cache row operations
-
-
-def _empty_like_rows(template: KVCache, n_rows: int) -> KVCache:
-    """A cache of ``n_rows`` rows and zero columns shaped like ``template`` (for rows with no prefix)."""
-    out = KVCache(len(template.keys))
-    out.keys = [None if k is None else k.new_zeros(n_rows, k.shape[1], 0, k.shape[3]) for k in template.keys]
-    out.values = [None if v is None else v.new_zeros(n_rows, v.shape[1], 0, v.shape[3]) for v in template.values]
-    out.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=template.valid.device)
-    return out
-
-
-def join_rows(first: KVCache | None, second: KVCache) -> KVCache:
-    """Rows of ``first`` followed by rows of ``second``; either may hold no columns yet."""
-    if first is None or first.valid is None or first.valid.shape[0] == 0:
-        return second
-    if first.keys[0] is None and second.keys[0] is None:
-        out = KVCache(len(first.keys))
-        out.valid = torch.zeros(first.valid.shape[0] + second.valid.shape[0], 0, dtype=torch.bool,
-                                device=first.valid.device)
-        return out
-    if first.keys[0] is None:
-        first = _empty_like_rows(second, first.valid.shape[0])
-    if second.keys[0] is None:
-        second = _empty_like_rows(first, second.valid.shape[0])
-    return KVCache.concat_rows([first, second])
-
-
-def rows_only_cache(n_rows: int, num_layers: int, device: torch.device) -> KVCache:
-    """A cache for ``n_rows`` rows that have nothing cached yet."""
-    out = KVCache(num_layers)
-    out.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=device)
-    return out
-
-
-def repack(cache: KVCache, width: int | None = None) -> KVCache:
-    """Move every row's valid columns to the left and keep ``width`` columns (default: the most any row has;
-    order kept, RoPE is baked in)."""
-    if cache.valid is None or cache.keys[0] is None:
-        return cache
-    counts = cache.valid.sum(1)
-    width = int(counts.max()) if width is None else width
-    order = torch.sort((~cache.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
-    out = KVCache(len(cache.keys))
-    for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], width, k.shape[3])
-        out.keys[layer], out.values[layer] = k.gather(2, idx), v.gather(2, idx)
-    out.valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
-    return out
-
-
-def replace_rows(main: KVCache, rows: Tensor, sub: KVCache) -> KVCache:
-    """``main`` with ``rows`` replaced by the rows of ``sub`` (widths padded with invalid columns)."""
-    if main.keys[0] is None:
-        main = _empty_like_rows(sub, main.valid.shape[0])
-    width = max(main.length, sub.length)
-    out = KVCache(len(main.keys))
-    for layer in range(len(main.keys)):
-        for store, big, small in ((out.keys, main.keys[layer], sub.keys[layer]),
-                                  (out.values, main.values[layer], sub.values[layer])):
-            big = F.pad(big, (0, 0, 0, width - big.shape[2]))
-            big[rows] = F.pad(small, (0, 0, 0, width - small.shape[2]))
-            store[layer] = big
-    valid = F.pad(main.valid, (0, width - main.length), value=False)
-    valid[rows] = F.pad(sub.valid, (0, width - sub.length), value=False)
-    out.valid = valid
-    return out.compact()
-
-
 # ---------------------------------------------------------------- model runners
 
 
@@ -139,13 +70,13 @@ class _CachedRunner:
     def admit(self, prefixes: list[Tensor]) -> None:
         """Prefill the complete prompt blocks of new rows and append the rows to the batch cache."""
         for chunk in _chunks(prefixes, PREFILL_TOKENS):
-            self.cache = join_rows(self.cache, self._prefill(chunk))
+            self.cache = KVCache.join(self.cache, self._prefill(chunk))
 
     def _prefill(self, prefixes: list[Tensor]) -> KVCache:
         device = prefixes[0].device
         width = max(p.numel() for p in prefixes)
         if width == 0:
-            return rows_only_cache(len(prefixes), len(self.adapter.new_cache().keys), device)
+            return KVCache.empty(len(prefixes), len(self.adapter.new_cache().keys), device)
         ids = torch.stack([F.pad(p, (0, width - p.numel()), value=self.adapter.pad_id) for p in prefixes])
         valid = torch.stack([torch.arange(width, device=device) < p.numel() for p in prefixes])
         pos = torch.arange(width, device=device).expand_as(ids)
@@ -167,7 +98,7 @@ class _CachedRunner:
     def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
         """After a commit step: drop the invalid columns once they exceed the slack (no host sync needed)."""
         if self.cache.length > max_cached + REPACK_SLACK * self.b:
-            self.cache = repack(self.cache, max_cached)
+            self.cache = self.cache.repack(max_cached)
 
     def keep(self, rows: Tensor) -> None:
         self.cache = self.cache.select_rows(rows)

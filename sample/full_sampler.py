@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.common import AttentionLayout, KVCache
-from sample.block_sampler import SamplerStats, join_rows, replace_rows, rows_only_cache
+from sample.block_sampler import SamplerStats
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer, split_steps
 from sample.trajectory import Trajectory
@@ -139,7 +139,7 @@ class FullSampler:
         for name in _STATE:
             setattr(self, name, torch.cat([getattr(self, name), add[name]]))
         if self.params.cache != "none":
-            self.cache = join_rows(self.cache, rows_only_cache(n, self.num_layers, dev))
+            self.cache = KVCache.join(self.cache, KVCache.empty(n, self.num_layers, dev))
         self.rows.extend(_FullRow(i, list(prompts[i]), masks_left=self.bl) for i in new)
 
     def _widen(self, prompt_len: int) -> None:
@@ -270,7 +270,7 @@ class FullSampler:
         if rows is None:
             self.cache = cache.compact()
         else:
-            self.cache = replace_rows(self.cache, rows, cache)
+            self.cache = self.cache.replace_rows(rows, cache)
         return _gather_rows(hidden, pred_cols)
 
     def _window(self, rows: Tensor | None, pred_cols: Tensor) -> Tensor:

@@ -22,7 +22,9 @@ class Trajectory:
     token (plain softmax of the logits, temperature 1, no top-k/p) in the exact context it was committed in, which
     is what the trainer recomputes. Tokens decoded inside the final block after the stop point are cut from the
     response; ``tail_ids``/``tail_steps`` keep them (never trained) so the training view can rebuild the final
-    block's contexts exactly.
+    block's contexts exactly. For full-attention models the tail is the whole rest of the canvas after the cut;
+    positions that were never decoded are stored as the mask id with step = the row's last step + 1 (masked in
+    every training round).
     """
 
     prompt_ids: list[int]

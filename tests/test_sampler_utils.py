@@ -9,7 +9,6 @@ import torch
 
 from models.common import AttentionLayout, KVCache
 from models.tiny import build_tiny
-from sample.block_sampler import join_rows, repack, replace_rows, rows_only_cache
 from sample.strategies import block_schedule, split_steps
 from sample.trajectory import Trajectory
 
@@ -175,23 +174,23 @@ def _same_visible(a: KVCache, ra: int, b: KVCache, rb: int) -> bool:
     return all(torch.equal(x, y) for x, y in zip(_visible(a, ra), _visible(b, rb)))
 
 
-def test_join_rows_handles_rows_without_columns():
+def test_kvcache_join_handles_rows_without_columns():
     a = _cache(2, 3)
-    empty = rows_only_cache(1, 2, torch.device("cpu"))
-    joined = join_rows(a, empty)
+    empty = KVCache.empty(1, 2, torch.device("cpu"))
+    joined = KVCache.join(a, empty)
     assert joined.valid.shape == (3, 3) and not joined.valid[2].any()
     assert _same_visible(joined, 1, a, 1)
-    both_empty = join_rows(rows_only_cache(2, 2, torch.device("cpu")), empty)
+    both_empty = KVCache.join(KVCache.empty(2, 2, torch.device("cpu")), empty)
     assert both_empty.valid.shape == (3, 0) and both_empty.keys[0] is None
-    assert join_rows(None, a) is a
+    assert KVCache.join(None, a) is a
 
 
 def test_repack_keeps_each_rows_visible_columns():
     main = _cache(3, 6, torch.tensor([[1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 1]], dtype=torch.bool))
-    packed = repack(main)
+    packed = main.repack()
     assert packed.length == 6 and packed.valid.sum(1).tolist() == [3, 6, 3]
     sparse = _cache(2, 5, torch.tensor([[1, 0, 0, 1, 0], [0, 1, 0, 0, 0]], dtype=torch.bool))
-    narrow = repack(sparse, 2)
+    narrow = sparse.repack(2)
     assert narrow.length == 2 and narrow.valid.tolist() == [[True, True], [True, False]]
     for r in range(2):
         assert _same_visible(narrow, r, sparse, r)
@@ -202,7 +201,7 @@ def test_repack_keeps_each_rows_visible_columns():
 def test_replace_rows_swaps_in_new_rows_of_another_width():
     main = _cache(3, 2)
     sub = _cache(1, 5, seed=3)
-    out = replace_rows(main, torch.tensor([1]), sub)
+    out = main.replace_rows(torch.tensor([1]), sub)
     assert _same_visible(out, 1, sub, 0) and _same_visible(out, 0, main, 0) and _same_visible(out, 2, main, 2)
 
 
