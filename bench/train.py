@@ -1,0 +1,185 @@
+"""Benchmark of one TraceRL training pass (forward + backward of the policy loss) on a tiny SDAR, on CPU.
+
+Compares, per sample: per-round rows vs the packed layout, and full logits ([R, N, V] then log_softmax over every
+position, the reference's way, REFERENCE 6.6 / 16.28) vs gathered chunked log-probs (LM head on trained positions
+only). Workload: prompt L0, response L1, block b, ``steps_per_block`` steps per block (each block decodes one
+token per step, so every block has that many rounds), a realistic vocabulary with a small hidden size so the LM
+head matters.
+
+Method: every configuration runs twice, each time in a fresh subprocess. Time run (default allocator): per-sample
+wall time of the measured samples after one warm-up sample; the fastest is reported, being the least disturbed
+on a shared machine. Memory run: one sample with glibc's ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor
+buffer is mmapped and returned to the OS when freed and the resident set follows live tensor memory (otherwise
+glibc's dynamic threshold keeps freed buffers on the heap and the peak depends on allocation history); peak memory
+per sample = peak resident set size (``ru_maxrss``) minus the resident size just before the sample, i.e. the
+extra memory the training pass needs on top of the model and its inputs (tracemalloc does not see torch's
+allocations). Rows are processed one per micro-batch (the reference's ``batch_size_lm: 1``), so a per-round
+sample is several forwards and a packed sample is one.
+
+    python -m bench.train            # defaults: L0=128, L1=512, b=4, 4 steps/block, vocab 151936
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+CONFIGS = (("per_round", "full"), ("per_round", "gathered"), ("packed", "full"), ("packed", "gathered"))
+
+
+def hardware_line() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"hardware: {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), python {platform.python_version()}, "
+            f"load average {os.getloadavg()[0]:.1f} at start")
+
+
+def _rss_kib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024
+
+
+def build_model(args: argparse.Namespace):
+    from models.sdar import SDARConfig, SDARForCausalLM
+
+    cfg = SDARConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                     num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=args.hidden // 4, block_size=args.block, mask_token_id=args.vocab - 1,
+                     max_position_embeddings=args.l0 + args.l1 + 64)
+    torch.manual_seed(0)
+    return SDARForCausalLM(cfg).train()
+
+
+def trajectories(args: argparse.Namespace, n: int):
+    """Synthetic records: every block decodes one token per step, in a random order inside the block."""
+    from sample.trajectory import Trajectory
+
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        steps = []
+        for k in range(args.l1 // args.block):
+            order = list(range(1, args.steps_per_block + 1))
+            order += [args.steps_per_block] * (args.block - len(order))
+            rng.shuffle(order)
+            steps += [k * args.steps_per_block + s for s in order]
+        out.append(Trajectory(prompt_ids=[rng.randrange(10, args.vocab - 2) for _ in range(args.l0)],
+                              response_ids=[rng.randrange(10, args.vocab - 2) for _ in range(args.l1)],
+                              step_map=steps, logprobs=[-5.0] * args.l1, sample_id=str(i)))
+    return out
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    """One configuration (in its own process): time and peak extra memory per sample."""
+    from models.common import AttentionLayout  # noqa: F401  (import cost outside the timing)
+    from train.logprobs import full_logits_logprobs, gathered_logprobs
+    from train.loss import LossConfig, policy_loss
+    from train.views import ViewConfig, ViewIds, build_view
+
+    torch.set_num_threads(args.threads)
+    model = build_model(args)
+    ids = ViewIds(mask_id=args.vocab - 1, pad_id=0, attention="block", block_size=args.block)
+    n = args.samples + 1
+    trajs = trajectories(args, n)
+    batches = [build_view([t], {t.sample_id: 1.0}, ViewConfig(layout=args.layout), ids) for t in trajs]
+    micro = [[b.select_rows([r]) for r in range(b.num_rows)] for b in batches]
+    loss_cfg = LossConfig(beta=0.01)
+
+    def one_sample(rows) -> None:
+        for mb in rows:
+            hidden = model.model(mb.input_ids, position_ids=mb.position_ids, layout=mb.layout).last_hidden_state
+            if args.logits == "full":
+                logp = full_logits_logprobs(model.lm_logits, hidden, mb.rows, mb.cols, mb.labels)
+            else:
+                logp = gathered_logprobs(model.lm_logits, hidden, mb.rows, mb.cols, mb.labels, args.chunk)
+            policy_loss(logp, mb.old_logprobs, mb.advantages, mb.weights, loss_cfg).loss.backward()
+            del hidden, logp
+
+    base = _rss_kib()
+    one_sample(micro[0])  # warm-up; in the memory run its peak is the measurement (same workload)
+    if args.measure == "memory":
+        elapsed = math.nan
+    else:
+        times = []
+        for rows in micro[1:]:
+            start = time.perf_counter()
+            one_sample(rows)
+            times.append(time.perf_counter() - start)
+        elapsed = min(times)  # the least disturbed sample: the machine may be shared
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+    b = batches[1]
+    logit_rows = b.num_input_tokens if args.logits == "full" else b.num_tokens
+    return {"layout": args.layout, "logits": args.logits, "rows": b.num_rows, "input_tokens": b.num_input_tokens,
+            "trained_tokens": b.num_tokens, "logit_rows": logit_rows, "seconds": elapsed, "peak_mib": peak / 1024}
+
+
+def _child(argv: list[str] | None, layout: str, logits: str, measure: str) -> dict:
+    """Run one measurement in a fresh process; the memory run keeps every large buffer in its own mmap."""
+    env = dict(os.environ)
+    if measure == "memory":  # freed buffers go back to the OS at once, so RSS follows live tensor memory
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    cmd = [sys.executable, "-m", "bench.train", *(argv if argv is not None else sys.argv[1:]), "--layout", layout,
+           "--logits", logits, "--measure", measure]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
+    result = json.loads(out)
+    return {k: v for k, v in result.items() if v == v and not (measure == "time" and k == "peak_mib")}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--l0", type=int, default=128, help="prompt length")
+    p.add_argument("--l1", type=int, default=512, help="response length")
+    p.add_argument("--block", type=int, default=4)
+    p.add_argument("--steps-per-block", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--samples", type=int, default=3, help="measured samples per configuration")
+    p.add_argument("--chunk", type=int, default=128, help="logits_chunk_size of the gathered log-probs")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--layout", choices=("per_round", "packed"), help=argparse.SUPPRESS)
+    p.add_argument("--logits", choices=("full", "gathered"), help=argparse.SUPPRESS)
+    p.add_argument("--measure", choices=("time", "memory"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.layout:  # child process
+        print(json.dumps(run_one(args)))
+        return
+    print(hardware_line())
+    print(f"workload: L0={args.l0} L1={args.l1} block={args.block} steps/block={args.steps_per_block} "
+          f"vocab={args.vocab} hidden={args.hidden} layers={args.layers}, fp32, forward+backward, "
+          f"time = fastest of {args.samples} samples after 1 warm-up, one row per micro-batch")
+    rows = {}
+    for layout, logits in CONFIGS:
+        rows[(layout, logits)] = r = {**_child(argv, layout, logits, "memory"), **_child(argv, layout, logits, "time")}
+        print(f"{layout:>9} + {logits:<8}: rows/sample {r['rows']}, input tokens {r['input_tokens']}, "
+              f"trained tokens {r['trained_tokens']}, LM-head rows {r['logit_rows']}, "
+              f"{r['seconds']:.2f} s/sample, peak +{r['peak_mib']:.0f} MiB/sample")
+    base = rows[("per_round", "full")]
+    for key, r in rows.items():
+        if key != ("per_round", "full"):
+            print(f"ratio {key[0]}+{key[1]} vs per_round+full: speed-up {base['seconds'] / r['seconds']:.2f}x, "
+                  f"peak memory {r['peak_mib'] / base['peak_mib']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

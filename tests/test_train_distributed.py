@@ -1,0 +1,119 @@
+"""One PolicyTrainer step with 2 CPU processes (DeepSpeed ZeRO-3 and DDP, gloo), launched by `accelerate launch`.
+
+The file is both the pytest test and the launched script: each rank trains on its own shard of the trajectories
+(5 over 2 ranks, so the short rank is padded with zero-weight micro-batches and the collective forwards stay in
+step); afterwards the parameters must be identical on both ranks and have moved.
+
+    accelerate launch --config_file accelerate_configs/cpu_zero3_2proc.yaml tests/test_train_distributed.py \
+        --world 2 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "kind"),
+                         [("cpu_zero3_2proc.yaml", "DEEPSPEED"), ("cpu_ddp_2proc.yaml", "MULTI_CPU")])
+def test_policy_trainer_step_two_processes(tmp_path, config, kind):
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()),
+           str(Path(__file__).resolve()), "--world", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r = json.loads(out.read_text())
+    assert r["num_processes"] == 2 and r["distributed_type"] == f"DistributedType.{kind}"
+    assert r["micro_batches"] == [3.0, 3.0]  # 3 + 2 samples, packed: the short rank got one zero-weight filler
+    assert r["tokens"][0] != r["tokens"][1]  # the ranks trained on different shards ...
+    assert r["identical_across_ranks"]  # ... and still hold the same weights
+    assert r["max_update"] > 1e-4 and all(abs(x) < 1e3 for x in r["losses"])
+
+
+# ---------------------------------------------------------------- the launched script
+
+
+def _gathered(accelerator, model) -> torch.Tensor:
+    params = list(accelerator.unwrap_model(model).parameters())
+    ctx = contextlib.nullcontext()
+    if accelerator.distributed_type.name == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    with ctx:
+        return torch.cat([p.detach().float().reshape(-1).cpu() for p in params])
+
+
+def main() -> None:
+    import random
+
+    from models.registry import Adapter
+    from models.sdar import SDARConfig, SDARForCausalLM
+    from tests.test_train_views import fake_block_trajectory
+    from train.accelerator import assert_world_size, build_accelerator
+    from train.loss import LossConfig
+    from train.policy_trainer import PolicyTrainer, TrainerConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    cfg = TrainerConfig(learning_rate=1e-2, micro_batch_size=1, old_logp="recompute", shuffle=False,
+                        loss=LossConfig(beta=0.01))
+    accelerator = build_accelerator(gradient_accumulation_steps=1, micro_batch_size=cfg.micro_batch_size)
+    assert_world_size(accelerator, args.world)
+    torch.manual_seed(0)
+    model = SDARForCausalLM(SDARConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, block_size=4,
+                                       mask_token_id=63))
+    adapter = Adapter(model=model, model_base="sdar", family="sdar", attention="block", block_size=4, mask_id=63,
+                      pad_id=0, eos_ids=(1,), shift_logits=False)
+    trainer = PolicyTrainer(adapter, cfg, accelerator=accelerator)
+    start = _gathered(accelerator, trainer.model)
+    rng = random.Random(0)
+    trajs = [fake_block_trajectory(rng, f"t{i}", rng.randint(1, 9), rng.randint(5, 12), 4, 3, 63, 63)
+             for i in range(5)]
+    (metrics,) = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    after = _gathered(accelerator, trainer.model)
+    dev = accelerator.device
+    all_after = accelerator.gather(after[None].to(dev)).cpu()
+    summary = accelerator.gather(torch.tensor([[metrics["micro_batches"], metrics["tokens"], metrics["loss"]]],
+                                              device=dev)).cpu()
+    result = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+              "identical_across_ranks": bool(all(torch.equal(all_after[0], r) for r in all_after)),
+              "max_update": float((after - start).abs().max()), "micro_batches": summary[:, 0].tolist(),
+              "tokens": summary[:, 1].tolist(), "losses": summary[:, 2].tolist(),
+              "seconds": time.perf_counter() - t0}
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        Path(args.out).write_text(json.dumps(result))
+        print(json.dumps(result))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

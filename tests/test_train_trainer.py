@@ -1,0 +1,196 @@
+"""PolicyTrainer: sampler <-> trainer log-prob parity, packed == per-round, accumulation, one learning step."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from sample.generate import generate
+from sample.params import SamplingParams
+from tests.test_train_views import fake_block_trajectory
+from train.accelerator import build_accelerator
+from train.loss import LossConfig
+from train.policy_trainer import PolicyTrainer, TrainerConfig
+from train.views import ViewConfig, ViewIds, build_view
+
+
+def fresh_accelerator(**kwargs):
+    """accelerate keeps process-wide singletons; reset them so each test picks its own settings."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return build_accelerator(**kwargs)
+
+
+def make_trainer(adapter, mixed_precision="no", gradient_accumulation_steps=1, **cfg) -> PolicyTrainer:
+    cfg.setdefault("view", ViewConfig())
+    cfg.setdefault("loss", LossConfig(beta=0.0))
+    config = TrainerConfig(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
+                           **cfg)
+    acc = fresh_accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps)
+    return PolicyTrainer(adapter, config, accelerator=acc)
+
+
+def sampled(adapter, prompts, **params):
+    trajs = generate(adapter, prompts, SamplingParams(temperature=1.0, seed=0, **params), progress=False)
+    for i, t in enumerate(trajs):
+        t.sample_id = f"s{i}"
+    return list(trajs)
+
+
+def fake_batch(adapter, n=4, seed=0, n_resp=(6, 14)):
+    rng = random.Random(seed)
+    vocab = adapter.model.config.vocab_size
+    return [fake_block_trajectory(rng, f"f{i}", rng.randint(1, 9), rng.randint(*n_resp), adapter.block_size, 3,
+                                  vocab, adapter.mask_id) for i in range(n)]
+
+
+# ---------------------------------------------------------------- the invariant: trainer log-prob == sampler's
+
+
+PROMPTS = ["The quick brown fox", "A train travels sixty miles in one hour. How far", "Tom has three apples"]
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_round"])
+@pytest.mark.parametrize("cache", ["prefix", "none"])
+def test_trainer_logprobs_equal_sampler_logprobs_block_model(tiny, demo_tokenizer, layout, cache):
+    adapter = tiny("sdar", seed=1)
+    prompts = [demo_tokenizer.encode(p) for p in PROMPTS]  # lengths 10, 21, 6: P mod 4 = 2, 1, 2
+    trajs = sampled(adapter, prompts, max_tokens=15, denoising_steps=3, cache=cache,
+                    remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.05)
+    trainer = make_trainer(adapter, view=ViewConfig(layout=layout, max_gen_length=13))
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg.view, trainer.ids)
+    assert batch.exact and batch.num_tokens == sum(min(len(t.response_ids), 13) for t in trajs)
+    torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("model_base", ["dream", "llada"])
+def test_trainer_logprobs_equal_sampler_logprobs_full_attention(tiny, demo_tokenizer, model_base):
+    adapter = tiny(model_base, seed=1)
+    prompts = [demo_tokenizer.encode(p) for p in PROMPTS] + [[]]  # an empty prompt: shifted first token
+    trajs = sampled(adapter, prompts, max_tokens=12, block_length=4, steps=8, cache="none")
+    trainer = make_trainer(adapter)
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg.view, trainer.ids)
+    assert batch.exact and batch.num_tokens == sum(len(t.response_ids) for t in trajs)
+    torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
+
+
+def test_train_step_logs_sampler_difference(tiny, demo_tokenizer):
+    adapter = tiny("sdar", seed=2)
+    trajs = sampled(adapter, [demo_tokenizer.encode(p) for p in PROMPTS], max_tokens=9, denoising_steps=2)
+    trainer = make_trainer(adapter, old_logp="recompute", learning_rate=1e-3, micro_batch_size=2)
+    metrics = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    assert metrics[0]["sampler_logp_max_abs_diff"] < 1e-4
+    assert metrics[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics[0]["clip_frac"] == 0.0
+
+
+# ---------------------------------------------------------------- packed == per-round, accumulation
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.zero_grad(set_to_none=True)
+    total = 0.0
+    for mb in trainer.micro_batches(batch, 0, shuffle=False):
+        out = trainer.loss(mb, trainer.forward_logprobs(trainer.model, mb))
+        out.loss.backward()
+        total += out.loss.item()
+    return total, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def test_packed_and_per_round_layouts_give_equal_loss_and_gradients(tiny):
+    adapter = tiny("sdar", seed=3)
+    trajs = fake_batch(adapter, n=3)
+    g = torch.Generator().manual_seed(0)
+    for t in trajs:  # old log-probs away from the current ones, so ratios differ from 1 and some clip
+        t.logprobs = (-6 + torch.rand(len(t.response_ids), generator=g)).tolist()
+    adv = {t.sample_id: float(a) for t, a in zip(trajs, (1.0, -0.5, 2.0))}
+    trainer = make_trainer(adapter, micro_batch_size=2, loss=LossConfig(beta=0.05, eps=0.2))
+    results = {}
+    for layout in ("packed", "per_round"):
+        batch = build_view(trajs, adv, ViewConfig(layout=layout), trainer.ids)
+        results[layout] = (batch.num_rows, *_loss_and_grads(trainer, batch))
+    (rows_p, loss_p, grads_p), (rows_r, loss_r, grads_r) = results["packed"], results["per_round"]
+    assert rows_p == 3 and rows_r > rows_p
+    assert loss_p == pytest.approx(loss_r, rel=1e-5)
+    assert grads_p.keys() == grads_r.keys() and len(grads_p) > 0
+    for name in grads_p:
+        torch.testing.assert_close(grads_p[name], grads_r[name], rtol=1e-4, atol=1e-7)
+
+
+def test_gradient_accumulation_divides_once(tiny):
+    trajs = fake_batch(tiny("sdar"), n=4, seed=5)
+    adv = {t.sample_id: 1.0 for t in trajs}
+    norms = []
+    for mbs, ga in ((1, 1), (100, 1), (2, 4)):
+        trainer = make_trainer(tiny("sdar", seed=4), micro_batch_size=mbs, gradient_accumulation_steps=ga,
+                               old_logp="recompute", max_grad_norm=1e9, view=ViewConfig(layout="per_round"))
+        (m,) = trainer.train_step(trajs, adv)
+        norms.append((m["grad_norm"], m["loss"], m["micro_batches"]))
+    assert [n[2] for n in norms] == [norms[0][2], 1.0, math.ceil(norms[0][2] / 2)]
+    for norm, loss, _ in norms[1:]:
+        assert norm == pytest.approx(norms[0][0], rel=1e-4)
+        assert loss == pytest.approx(norms[0][1], rel=1e-5)
+
+
+# ---------------------------------------------------------------- learning
+
+
+def test_one_step_with_positive_advantages_raises_logprobs(tiny):
+    adapter = tiny("sdar", seed=6)
+    trajs = fake_batch(adapter, n=3, seed=6)
+    adv = {t.sample_id: 1.0 for t in trajs}
+    trainer = make_trainer(adapter, learning_rate=3e-3, old_logp="recompute", micro_batch_size=2)
+    batch = build_view(trajs, adv, trainer.cfg.view, trainer.ids)
+    before = trainer.logprobs(batch)
+    (metrics,) = trainer.train_step(trajs, adv)
+    after = trainer.logprobs(batch)
+    assert metrics["tokens"] == batch.num_tokens
+    assert float(after.mean()) > float(before.mean()) + 0.01
+    assert float((after > before).float().mean()) > 0.9
+
+
+def test_steps_schedule_and_dropped_samples(tiny):
+    adapter = tiny("sdar", seed=7)
+    trajs = fake_batch(adapter, n=5, seed=7)
+    trajs[2].prompt_ids = trajs[2].prompt_ids * 20  # over-long: dropped and reported, others unaffected
+    adv = {t.sample_id: 1.0 for t in trajs}
+    trainer = make_trainer(adapter, samples_per_step=2, lr_scheduler="cosine", total_steps=4, min_lr_scale=0.5,
+                           learning_rate=1e-3, old_logp="recompute", view=ViewConfig(max_prompt_len=30))
+    metrics = trainer.train_step(trajs, adv) + trainer.train_step(trajs, adv)
+    assert len(metrics) == 6 and trainer.schedule.step_count == 6  # 3 steps per RL step, once each
+    lrs = [m["lr"] for m in metrics]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(5e-4) and min(lrs) >= 5e-4 - 1e-12
+    assert [d[0] for d in trainer.dropped] == [trajs[2].sample_id]
+    assert sum(m["tokens"] for m in metrics[:3]) == sum(len(t.response_ids) for i, t in enumerate(trajs) if i != 2)
+
+
+def test_bf16_gradient_checkpointing_and_coupled_view(tiny):
+    adapter = tiny("sdar", seed=8)
+    trajs = fake_batch(adapter, n=2, seed=8)
+    before = [p.detach().clone() for p in adapter.model.parameters()]
+    trainer = make_trainer(adapter, mixed_precision="bf16", gradient_checkpointing=True, learning_rate=1e-3,
+                           view=ViewConfig(method="coupled"), loss=LossConfig(beta=0.01))
+    assert adapter.model.model.gradient_checkpointing
+    (metrics,) = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    assert math.isfinite(metrics["loss"]) and metrics["ratio_mean"] == pytest.approx(1.0, abs=2e-2)
+    assert any(not torch.equal(a, b) for a, b in zip(before, adapter.model.parameters()))
+
+
+def test_reference_model_kl_term_in_trainer(tiny):
+    adapter = tiny("sdar", seed=9)
+    ref = tiny("sdar", seed=9).model  # same weights: KL to the reference is 0 at the first step
+    trajs = fake_batch(adapter, n=2, seed=9)
+    cfg = TrainerConfig(old_logp="recompute", loss=LossConfig(beta=0.0, ref_beta=0.1))
+    trainer = PolicyTrainer(adapter, cfg, accelerator=fresh_accelerator(), ref_model=ref)
+    (metrics,) = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    assert metrics["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert not any(p.requires_grad for p in ref.parameters())
+
+
+def test_view_ids_follow_the_adapter(tiny):
+    ids = ViewIds.from_adapter(tiny("dream"))
+    assert ids.attention == "full" and ids.shift_logits and ids.block_size is None

@@ -1,0 +1,82 @@
+"""The clipped policy-gradient loss on trained tokens (REFERENCE 6.8, one loss for every view and family).
+
+Per token: delta = clamp(logp_new - logp_old, -10, 10), ratio = exp(delta),
+surr = min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A); KL to the old policy with weight ``beta`` (k3:
+exp(clamp(-d, -10, 10)) - 1 + d, or the plain log-ratio d), optionally KL to a frozen reference model with weight
+``ref_beta``. loss = -sum(w * surr) + beta * sum(w * kl) + ref_beta * sum(w * kl_ref). The weights w already hold
+the normalisation (see train/views.py), so summing micro-batch losses gives the step loss. The reference's
+full-attention loss (7.3: no clamp, unnormalised KL, REFERENCE 16.14) is not reproduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 10.0
+
+
+@dataclass
+class LossConfig:
+    eps: float = 0.2
+    eps_high: float | None = None  # asymmetric upper clip (None = eps)
+    beta: float = 0.0
+    ref_beta: float = 0.0
+    use_kl_estimator_k3: bool = True
+
+
+def kl_estimate(logp_new: Tensor, logp_anchor: Tensor, k3: bool = True) -> Tensor:
+    """Per-token estimate of KL(new || anchor) from samples of new's own tokens (k3, or the plain log-ratio)."""
+    d = logp_new - logp_anchor
+    if not k3:
+        return d
+    return torch.exp(torch.clamp(-d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + d
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor
+    metrics: dict[str, float]  # sums over tokens (divide by "tokens" for means) and the loss parts
+
+
+def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, weights: Tensor, cfg: LossConfig,
+                logp_ref: Tensor | None = None) -> LossOutput:
+    """Weighted clipped surrogate + KL terms over T trained tokens (all inputs [T])."""
+    logp_old, advantages, weights = (t.to(logp_new.device, logp_new.dtype) for t in (logp_old, advantages, weights))
+    eps_high = cfg.eps if cfg.eps_high is None else cfg.eps_high
+    ratio = torch.exp(torch.clamp(logp_new - logp_old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    clipped = torch.clamp(ratio, 1 - cfg.eps, 1 + eps_high)
+    surr = torch.minimum(ratio * advantages, clipped * advantages)
+    pg = -(weights * surr).sum()
+    kl = kl_estimate(logp_new, logp_old, cfg.use_kl_estimator_k3)
+    loss = pg + cfg.beta * (weights * kl).sum() if cfg.beta else pg
+    ref_kl = None
+    if cfg.ref_beta and logp_ref is not None:
+        ref_kl = kl_estimate(logp_new, logp_ref.to(logp_new.device, logp_new.dtype), cfg.use_kl_estimator_k3)
+        loss = loss + cfg.ref_beta * (weights * ref_kl).sum()
+    with torch.no_grad():
+        names = ["loss", "policy_loss", "kl_loss", "tokens", "ratio_sum", "clip_count", "approx_kl_sum"]
+        values = [loss, pg, cfg.beta * (weights * kl).sum(), torch.tensor(float(ratio.numel())), ratio.sum(),
+                  ((ratio < 1 - cfg.eps) | (ratio > 1 + eps_high)).sum(), kl_estimate(logp_new, logp_old).sum()]
+        if ref_kl is not None:
+            names.append("ref_kl_sum")
+            values.append(kl_estimate(logp_new, logp_ref.to(logp_new.device, logp_new.dtype)).sum())
+        stacked = torch.stack([v.detach().float().to(logp_new.device) for v in values])
+        metrics = dict(zip(names, stacked.tolist()))  # one host sync per micro-batch
+    return LossOutput(loss, metrics)
+
+
+def summarize(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Combine micro-batch metrics: sum losses and counts, turn token sums into means."""
+    total: dict[str, float] = {}
+    for m in metrics:
+        for k, v in m.items():
+            total[k] = total.get(k, 0.0) + v
+    n = max(total.get("tokens", 0.0), 1.0)
+    for key, name in (("ratio_sum", "ratio_mean"), ("clip_count", "clip_frac"), ("approx_kl_sum", "approx_kl"),
+                      ("ref_kl_sum", "ref_kl")):
+        if key in total:
+            total[name] = total.pop(key) / n
+    return total

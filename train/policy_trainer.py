@@ -1,0 +1,288 @@
+"""PolicyTrainer: one RL step = views -> old log-probs -> clipped policy-gradient updates, for every family.
+
+Designed to be subclassed (the value-model trainer does): override the hooks
+* ``build_views(trajectories, advantages)`` -> one TrainBatch per optimiser step (this process's shard),
+* ``compute_old_logprobs(plan)`` -> fill ``old_logprobs`` of every micro-batch before any update,
+* ``model_outputs(micro_batch)`` -> what the loss consumes (here: new log-probs of the trained tokens; a value
+  trainer returns values read at ``token_cols``),
+* ``loss(micro_batch, outputs)`` -> LossOutput,
+* ``after_step(metrics)`` -> called after every optimiser step (logging, checkpoints).
+Per-token extras a subclass needs (old values, returns) ride along in ``TrainBatch.extra``.
+
+Optimisation (fixing REFERENCE 6.9 / 15): loss weights are normalised over each optimiser step's batch by the view,
+so micro-batch losses add up and gradient accumulation divides exactly once (accelerate / DeepSpeed divide by their
+accumulation count; the trainer undoes it); the LR schedule is advanced once per optimiser step and honours
+``min_lr_scale``; rows are shuffled with a seed. Works single-process without a launcher, and under DDP or
+DeepSpeed ZeRO-2/3 through ``train.accelerator.build_accelerator`` (every process runs the same number of
+forwards: short shards are padded with zero-weight micro-batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sample.trajectory import Trajectory
+from train.logprobs import gathered_logprobs
+from train.loss import LossConfig, LossOutput, policy_loss, summarize
+from train.schedules import LRSchedule
+from train.views import TrainBatch, ViewConfig, ViewIds, build_view
+
+log = logging.getLogger(__name__)
+
+OLD_LOGP_MODES = ("sampler", "recompute")
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation settings (keys mirror the reference's ``training.*`` / ``optimizer.*`` / ``lr_scheduler.*``)."""
+
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    min_lr_scale: float = 0.0
+    total_steps: int | None = None  # optimiser steps over the whole run (linear / cosine)
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int = 1  # rows per forward
+    samples_per_step: int | None = None  # samples (per process) per optimiser step; None = one step per RL step
+    gradient_accumulation_steps: int = 1  # only configures the accelerator / DeepSpeed; its division is undone
+    num_epochs: int = 1
+    mixed_precision: str = "no"  # "no" | "bf16" | "fp16"
+    gradient_checkpointing: bool = False
+    shuffle: bool = True
+    seed: int = 0
+    # "sampler": Trajectory.logprobs, valid when the sampler ran the exact contexts (block models: cache "prefix" or
+    # "none"; full attention: cache "none"; shrink 1); "recompute": a no_grad forward before any update. Inexact
+    # views (random masking, coupled, shrink > 1) always recompute.
+    old_logp: str = "sampler"
+    check_sampler_logp: bool = False  # also recompute in "sampler" mode, to log the max |difference|
+    logits_chunk_size: int = 128  # trained positions per LM-head chunk (128 x 151936 fp32 = 78 MB)
+    view: ViewConfig = field(default_factory=ViewConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if self.old_logp not in OLD_LOGP_MODES:
+            raise ValueError(f"trainer config: old_logp={self.old_logp!r} is not one of {OLD_LOGP_MODES}")
+        if self.micro_batch_size < 1 or (self.samples_per_step is not None and self.samples_per_step < 1):
+            raise ValueError("trainer config: micro_batch_size and samples_per_step must be >= 1")
+
+
+Plan = list[list[TrainBatch]]  # optimiser steps -> micro-batches
+
+
+class PolicyTrainer:
+    """Trains ``adapter.model`` on trajectories with the clipped policy-gradient loss (see module docstring)."""
+
+    def __init__(self, adapter: Any, cfg: TrainerConfig, accelerator: Any = None, ref_model: Any = None):
+        self.adapter, self.cfg, self.ref_model = adapter, cfg, ref_model
+        self.ids = ViewIds.from_adapter(adapter)
+        self.accelerator = accelerator or _default_accelerator(cfg)
+        model = adapter.model
+        if cfg.gradient_checkpointing:
+            _enable_checkpointing(model)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                      betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if ref_model is not None:  # frozen reference for the ref_beta KL (a full copy per process)
+            self.ref_model = ref_model.to(self.accelerator.device).eval().requires_grad_(False)
+        self.schedule = LRSchedule(self.optimizer, cfg.lr_scheduler, cfg.total_steps, cfg.warmup_steps,
+                                   cfg.min_lr_scale)
+        self.rl_step = 0
+        self.dropped: list[tuple[str, str]] = []
+
+    # ------------------------------------------------------------ the RL step
+
+    def train_step(self, trajectories: Sequence[Trajectory],
+                   advantages: Mapping[str, float | Sequence[float]]) -> list[dict[str, float]]:
+        """Train on one RL step's trajectories; returns the metrics of every optimiser step."""
+        self.rl_step += 1
+        batches = self.build_views(trajectories, advantages)
+        plan = self._equalize([self.micro_batches(b, i) for i, b in enumerate(batches)])
+        old_metrics = self.compute_old_logprobs(plan)
+        out = []
+        for _ in range(self.cfg.num_epochs):
+            for micro in plan:
+                if not micro:  # every sample of this step was dropped (all processes agree, see _equalize)
+                    continue
+                metrics = {**self.optimizer_step(micro), **old_metrics, "rl_step": float(self.rl_step),
+                           "dropped": float(len(self.dropped))}
+                self.after_step(metrics)
+                out.append(metrics)
+        return out
+
+    # ------------------------------------------------------------ hooks
+
+    def build_views(self, trajectories: Sequence[Trajectory],
+                    advantages: Mapping[str, float | Sequence[float]]) -> list[TrainBatch]:
+        """Shuffle, shard over processes, cut into optimiser-step groups and build each group's view."""
+        acc = self.accelerator
+        order = torch.arange(len(trajectories))
+        if self.cfg.shuffle:
+            order = torch.randperm(len(trajectories), generator=self._generator(0))
+        shard = [trajectories[i] for i in order[acc.process_index::acc.num_processes].tolist()]
+        per_process = math.ceil(len(trajectories) / acc.num_processes)
+        if per_process == 0:
+            raise ValueError("train_step got no trajectories")
+        per_step = self.cfg.samples_per_step or per_process
+        n_steps = math.ceil(per_process / per_step)
+        view_cfg = replace(self.cfg.view, seed=self.cfg.view.seed + 7919 * self.rl_step + acc.process_index)
+        batches = [build_view(shard[i * per_step:(i + 1) * per_step], advantages, view_cfg, self.ids)
+                   for i in range(n_steps)]
+        self.dropped = [d for b in batches for d in b.dropped]
+        if self.dropped:
+            log.warning("dropped %d trajectories: %s", len(self.dropped), self.dropped[:5])
+        return batches
+
+    def compute_old_logprobs(self, plan: Plan) -> dict[str, float]:
+        """Fill old log-probs (sampler or recomputed under no_grad before any update); returns metrics."""
+        need = self.cfg.old_logp == "recompute" or self.cfg.check_sampler_logp or any(
+            not mb.exact for micro in plan for mb in micro)
+        if not need:
+            return {}
+        diffs = []
+        with torch.no_grad():
+            self.model.eval()
+            for micro in plan:
+                for mb in micro:
+                    new = self.forward_logprobs(self.model, mb).float().cpu()
+                    if mb.exact and new.numel():
+                        diffs.append(float((new - mb.old_logprobs).abs().max()))
+                    if self.cfg.old_logp == "recompute" or not mb.exact:
+                        mb.old_logprobs = new
+        return {"sampler_logp_max_abs_diff": max(diffs)} if diffs else {}
+
+    def model_outputs(self, mb: TrainBatch) -> Tensor:
+        return self.forward_logprobs(self.model, mb)
+
+    def loss(self, mb: TrainBatch, logp_new: Tensor) -> LossOutput:
+        return policy_loss(logp_new, mb.old_logprobs, mb.advantages, mb.weights, self.cfg.loss,
+                           self._ref_logprobs(mb))
+
+    def after_step(self, metrics: dict[str, float]) -> None:
+        """Called after every optimiser step (override for logging / checkpoints)."""
+
+    # ------------------------------------------------------------ forward
+
+    def forward_logprobs(self, model: Any, mb: TrainBatch) -> Tensor:
+        """fp32 log-probs of the micro-batch's trained tokens (gathered, chunked LM head)."""
+        mb = mb.to(self.accelerator.device)
+        with self.accelerator.autocast():
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, layout=mb.layout, logits_to_keep=1)
+            hidden = out.hidden_states[-1]
+            head = self.accelerator.unwrap_model(model).lm_logits if model is self.model else model.lm_logits
+            return gathered_logprobs(head, hidden, mb.rows, mb.cols, mb.labels, self.cfg.logits_chunk_size)
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        """No-grad log-probs of every trained token of ``batch`` (for checks and evaluation)."""
+        with torch.no_grad():
+            self.model.eval()
+            parts = [self.forward_logprobs(self.model, mb).float().cpu()
+                     for mb in self.micro_batches(batch, 0, shuffle=False)]
+        return _reassemble(batch, parts, self.cfg.micro_batch_size)
+
+    # ------------------------------------------------------------ optimisation
+
+    def micro_batches(self, batch: TrainBatch, step: int, shuffle: bool | None = None) -> list[TrainBatch]:
+        """Split a step's rows into micro-batches (rows shuffled with a seed)."""
+        shuffle = self.cfg.shuffle if shuffle is None else shuffle
+        order = torch.arange(batch.num_rows)
+        if shuffle:
+            order = torch.randperm(batch.num_rows, generator=self._generator(step + 1))
+        size = self.cfg.micro_batch_size
+        return [batch.select_rows(order[i:i + size]) for i in range(0, batch.num_rows, size)]
+
+    def optimizer_step(self, micro: list[TrainBatch]) -> dict[str, float]:
+        """Accumulate gradients over the micro-batches, clip, step once, advance the LR schedule once."""
+        acc = self.accelerator
+        lr = self.schedule.apply()
+        self.model.train()
+        parts = []
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            acc.gradient_state._set_sync_gradients(last)
+            ctx = nullcontext() if last or _is_deepspeed(acc) else acc.no_sync(self.model)
+            with ctx:
+                out = self.loss(mb, self.model_outputs(mb))
+                acc.backward(out.loss * self._accumulation_divisor())
+            parts.append(out.metrics)
+        grad_norm = None
+        if self.cfg.max_grad_norm:
+            grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc.gradient_state._set_sync_gradients(True)
+        self.schedule.step()
+        metrics = summarize(parts)
+        metrics.update(lr=lr, micro_batches=float(len(micro)))
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        return metrics
+
+    def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
+        if self.ref_model is None or not self.cfg.loss.ref_beta:
+            return None
+        with torch.no_grad():
+            return self.forward_logprobs(self.ref_model, mb).float()
+
+    def _accumulation_divisor(self) -> float:
+        """What accelerate / DeepSpeed divide the loss by; multiplied back so accumulation divides only once."""
+        acc = self.accelerator
+        if _is_deepspeed(acc):
+            return float(acc.deepspeed_engine_wrapped.engine.gradient_accumulation_steps())
+        return float(acc.gradient_accumulation_steps)
+
+    def _equalize(self, plan: Plan) -> Plan:
+        """Give every process the same number of micro-batches per step (ZeRO-3 forwards are collective)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return plan
+        counts = torch.tensor([len(m) for m in plan], device=acc.device)
+        most = acc.gather(counts[None]).max(0).values.tolist()
+        filler = next((mb for micro in plan for mb in micro), None)
+        if filler is None:
+            raise ValueError(f"process {acc.process_index} has no training rows; use fewer processes")
+        zero = filler.with_weights(torch.zeros_like(filler.weights))
+        return [micro + [zero] * (int(n) - len(micro)) for micro, n in zip(plan, most)]
+
+    def _generator(self, salt: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.rl_step * 1009 + salt)
+
+
+def _reassemble(batch: TrainBatch, parts: list[Tensor], size: int) -> Tensor:
+    """Put per-micro-batch values back in the batch's token order (micro-batches are consecutive rows)."""
+    out = torch.empty(batch.num_tokens)
+    for i, part in enumerate(parts):
+        sel = (batch.rows >= i * size) & (batch.rows < (i + 1) * size)
+        out[sel] = part
+    return out
+
+
+def _enable_checkpointing(model: Any) -> None:
+    """Recompute decoder layers in the backward pass (transformers 5 renamed the entry point)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _is_deepspeed(acc: Any) -> bool:
+    return getattr(acc, "deepspeed_engine_wrapped", None) is not None
+
+
+def _default_accelerator(cfg: TrainerConfig) -> Any:
+    from train.accelerator import build_accelerator
+
+    return build_accelerator(mixed_precision=cfg.mixed_precision,
+                             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                             micro_batch_size=cfg.micro_batch_size)
