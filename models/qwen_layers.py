@@ -66,3 +66,58 @@ class QwenDecoderLayer(nn.Module):
                 store_kv: bool, backend: str) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache, store_kv, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class QwenBackboneMixin:
+    """embed_tokens -> QwenDecoderLayer x N -> norm, for SDAR (q/k norm) and Dream (q/k/v biases).
+
+    Combine with ``models.base.BackboneMixin`` and the family's PreTrainedModel; call ``build_backbone`` in
+    ``__init__``.
+    """
+
+    def build_backbone(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            QwenDecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def rope_head_dim(self) -> int:
+        cfg = self.config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope_theta = property(lambda self: self.config.rope_theta)
+    decoder_layers = property(lambda self: self.layers)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.embed_tokens(ids)
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        return self.norm(x)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+
+class QwenLMHeadMixin:
+    """``model`` (the backbone) + an untied-by-default ``lm_head``; combine with ``models.base.LMHeadMixin``."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # used only when tie_word_embeddings
+
+    def build_head(self, config, backbone_cls: type) -> None:
+        self.model = backbone_cls(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    backbone = property(lambda self: self.model)
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
