@@ -95,9 +95,13 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int):
-        self.keys: list[Tensor | None] = [None] * num_layers
+        self.keys: list[Tensor | None] = [None] * num_layers  # used columns [B, Hkv, T, D] (views into buffers)
         self.values: list[Tensor | None] = [None] * num_layers
         self.valid: Tensor | None = None  # [B, T] bool
+        # Preallocated storage per layer: new keys are written after the used columns and attention reads a view,
+        # so a forward never copies the cache (torch.cat per layer per step would copy O(T) every step).
+        self._kbuf: list[Tensor | None] = [None] * num_layers
+        self._vbuf: list[Tensor | None] = [None] * num_layers
 
     @property
     def length(self) -> int:
@@ -106,10 +110,39 @@ class KVCache:
     def layer(self, idx: int) -> tuple[Tensor | None, Tensor | None]:
         return self.keys[idx], self.values[idx]
 
-    def append_layer(self, idx: int, k: Tensor, v: Tensor) -> None:
-        old_k, old_v = self.keys[idx], self.values[idx]
-        self.keys[idx] = k if old_k is None else torch.cat([old_k, k], dim=2)
-        self.values[idx] = v if old_v is None else torch.cat([old_v, v], dim=2)
+    def extend_layer(self, idx: int, k: Tensor, v: Tensor, store: bool) -> tuple[Tensor, Tensor]:
+        """Keys/values of (cached columns + ``k``/``v``) for attention; with ``store`` the new columns stay cached.
+
+        Without ``store`` the new columns are written to scratch space after the used ones and are overwritten by
+        the next call, which is what makes "denoise a block many times, store it once" cheap.
+        """
+        past_k, past_v = self.keys[idx], self.values[idx]
+        used = 0 if past_k is None else past_k.shape[2]
+        kbuf = self._buffer(self._kbuf, idx, past_k, k, used)
+        vbuf = self._buffer(self._vbuf, idx, past_v, v, used)
+        end = used + k.shape[2]
+        kbuf[:, :, used:end] = k
+        vbuf[:, :, used:end] = v
+        k_all, v_all = kbuf[:, :, :end], vbuf[:, :, :end]
+        if store:
+            self.keys[idx], self.values[idx] = k_all, v_all
+        return k_all, v_all
+
+    @staticmethod
+    def _buffer(bufs: list[Tensor | None], idx: int, past: Tensor | None, new: Tensor, used: int) -> Tensor:
+        """This layer's buffer, (re)allocated with room for ``new`` and holding ``past`` in its first columns."""
+        buf = bufs[idx]
+        need = used + new.shape[2]
+        owns_past = past is None or (buf is not None and past.data_ptr() == buf.data_ptr()
+                                     and past.shape[:2] == buf.shape[:2] and past.stride() == buf.stride())
+        if buf is not None and owns_past and buf.shape[2] >= need and buf.shape[0] == new.shape[0]:
+            return buf
+        capacity = max(need + need // 2, 16)  # grow geometrically: amortised O(1) copies per column
+        fresh = new.new_empty(new.shape[0], new.shape[1], capacity, new.shape[3])
+        if past is not None and used:
+            fresh[:, :, :used] = past
+        bufs[idx] = fresh
+        return fresh
 
     def append_valid(self, valid: Tensor) -> None:
         valid = valid.bool()
@@ -237,11 +270,9 @@ def attend(
     backend: str = "sdpa",
 ) -> Tensor:
     """Attention of new queries over (cached keys + new keys). q: [B, H, Q, D]; k, v: [B, Hkv, Q, D]."""
-    past_k, past_v = cache.layer(layer_idx) if cache is not None else (None, None)
-    if store_kv and cache is not None:
-        cache.append_layer(layer_idx, k, v)
-    if past_k is not None:
-        k_all, v_all = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+    past_k = cache.keys[layer_idx] if cache is not None else None
+    if cache is not None and (past_k is not None or store_kv):
+        k_all, v_all = cache.extend_layer(layer_idx, k, v, store_kv)
     else:
         k_all, v_all = k, v
     if backend == "flex" and past_k is None:

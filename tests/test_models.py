@@ -204,3 +204,26 @@ def test_tokenizer_without_mask_token(tiny, demo_tokenizer):
     tok.mask_token = None
     with pytest.raises(ModelLoadError, match="no mask token"):
         make_adapter(tiny("sdar").model, tok, "sdar")
+
+
+def test_kv_cache_reads_in_place_and_commits_without_copying(tiny):
+    """Denoising reads the cache through a view (no per-forward copy); a store only advances the used length."""
+    a = tiny("sdar", block_size=4)
+    ids, pos = _block_inputs(16)
+    cache = a.new_cache()
+    with torch.no_grad():
+        a.hidden(ids[:, :4], pos[:, :4], AttentionLayout.block_causal(pos[:, :4], 4), cache, store_kv=True)
+        buffers = [b.data_ptr() for b in cache._kbuf]
+        for start in (4, 8):  # capacity (16 columns) suffices: the same storage must serve every pass
+            blk = slice(start, start + 4)
+            layout = AttentionLayout.block_causal(pos[:, blk], 4)
+            for _ in range(3):
+                a.hidden(ids[:, blk], pos[:, blk], layout, cache)
+                assert cache.length == start and cache.keys[0].shape[2] == start
+            a.hidden(ids[:, blk], pos[:, blk], layout, cache, store_kv=True)
+            assert cache.length == start + 4
+        assert [b.data_ptr() for b in cache._kbuf] == buffers
+        assert all(k.data_ptr() == b for k, b in zip(cache.keys, buffers))
+        out = a.forward(ids[:, 12:], pos[:, 12:], AttentionLayout.block_causal(pos[:, 12:], 4), cache)
+    full = a.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
+    torch.testing.assert_close(out, full[:, 12:], atol=1e-5, rtol=1e-5)
