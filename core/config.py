@@ -175,7 +175,7 @@ class EvalRolloutConfig(RolloutConfig):
     """Rollout keys of eval jobs (REFERENCE 14.4)."""
 
     num_response_per_task: int = bounded(3, 1)
-    output_unmasking_history: bool = True  # keep step maps in the outputs file
+    output_unmasking_history: bool = True  # write the trace-viewer page (trajectories always keep step maps)
 
 
 @dataclass

@@ -47,12 +47,11 @@ def run_eval(cfg: Any) -> dict:
     scores = score_rollout(rollout, tasks, data_type, k, execute=cfg.get("execute"))
     for traj, score in zip(rollout, scores, strict=True):
         traj.meta["score"] = score
-        if not cfg.rollout.output_unmasking_history:
-            traj.step_map, traj.tail_steps = [0] * len(traj.step_map), [0] * len(traj.tail_steps)
 
     stem = name.replace("builtin:", "builtin_").replace("/", "_")
-    write_jsonl(rollout, out_dir / f"trajectories-{stem}.jsonl")
-    (out_dir / f"trace-{stem}.html").write_text(build_trace_html(list(rollout[:16]), loaded.tokenizer))
+    write_jsonl(rollout, out_dir / f"trajectories-{stem}.jsonl")  # always whole records (step maps included)
+    if cfg.rollout.output_unmasking_history:
+        (out_dir / f"trace-{stem}.html").write_text(build_trace_html(list(rollout[:16]), loaded.tokenizer))
     metrics = {
         "dataset": name, "model": str(cfg.model.pretrained_model), "tasks": len(tasks), "responses": len(rollout),
         # acc = mean over all responses (not pass@k), as in the reference (REFERENCE 11.2); code: all tests pass
