@@ -17,9 +17,6 @@ try:  # optional GPU extra
 except Exception:  # pragma: no cover - not installed on CPU machines
     flash_attn_func = None
 
-ATTN_BACKENDS = ("sdpa", "flex", "flash")
-
-
 @dataclass
 class AttentionLayout:
     """Who may attend to whom, described per token instead of as a dense N x N matrix.
@@ -106,9 +103,6 @@ class KVCache:
     @property
     def length(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
-
-    def layer(self, idx: int) -> tuple[Tensor | None, Tensor | None]:
-        return self.keys[idx], self.values[idx]
 
     def extend_layer(self, idx: int, k: Tensor, v: Tensor, store: bool) -> tuple[Tensor, Tensor]:
         """Keys/values of (cached columns + ``k``/``v``) for attention; with ``store`` the new columns stay cached.
@@ -378,12 +372,6 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, n, h * d)
 
 
-def default_positions(input_ids: Tensor, cache: KVCache | None) -> Tensor:
-    start = cache.length if cache is not None else 0
-    n = input_ids.shape[1]
-    return torch.arange(start, start + n, device=input_ids.device).expand(input_ids.shape[0], n)
-
-
 def init_linear_normal(module: nn.Module, std: float) -> None:
     """Plain normal init for freshly built (random) models; loading a checkpoint overwrites it."""
     if isinstance(module, nn.Linear):
@@ -397,13 +385,11 @@ def init_linear_normal(module: nn.Module, std: float) -> None:
 
 
 __all__ = [
-    "ATTN_BACKENDS",
     "AttentionLayout",
     "KVCache",
     "RMSNorm",
     "apply_rope",
     "attend",
-    "default_positions",
     "layout_mask",
     "merge_heads",
     "rope_cos_sin",

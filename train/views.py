@@ -202,12 +202,6 @@ class TrainBatch:
         return replace(self, weights=weights)
 
 
-def split_rows(batch: TrainBatch, micro_batch_size: int, order: Tensor | None = None) -> list[TrainBatch]:
-    """Consecutive micro-batches of ``micro_batch_size`` rows (in ``order`` when given)."""
-    order = torch.arange(batch.num_rows) if order is None else order
-    return [batch.select_rows(order[i:i + micro_batch_size]) for i in range(0, batch.num_rows, micro_batch_size)]
-
-
 # ---------------------------------------------------------------- shrink (REFERENCE 6.2)
 
 
