@@ -291,7 +291,11 @@ def layout_mask(layout: AttentionLayout, cache: KVCache | None) -> Tensor:
 
 
 def _layout_is_full(layout: AttentionLayout) -> bool:
-    return bool(layout.valid.all()) and bool((layout.block == 0).all()) and bool((layout.copy == 0).all())
+    """Unpadded full attention (flash-attn needs no mask); evaluated once per forward, not per layer."""
+    if "is_full" not in layout._masks:
+        flags = torch.stack([layout.valid.all(), (layout.block == 0).all(), (layout.copy == 0).all()])
+        layout._masks["is_full"] = bool(flags.all())  # one host sync
+    return layout._masks["is_full"]
 
 
 _FLEX_COMPILED: dict = {}
