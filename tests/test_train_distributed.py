@@ -47,8 +47,10 @@ def test_policy_trainer_step_two_processes(tmp_path, config, kind):
     r = json.loads(out.read_text())
     assert r["num_processes"] == 2 and r["distributed_type"] == f"DistributedType.{kind}"
     assert r["micro_batches"] == [3.0, 3.0]  # 3 + 2 samples, packed: the short rank got one zero-weight filler
-    assert r["tokens"][0] != r["tokens"][1]  # the ranks trained on different shards ...
-    assert r["identical_across_ranks"]  # ... and still hold the same weights
+    # Metrics are global: both ranks report the trained tokens of all 5 samples (filler excluded) and one loss.
+    assert r["tokens"][0] == r["tokens"][1] == r["expected_tokens"] > 0
+    assert r["losses"][0] == r["losses"][1]
+    assert r["identical_across_ranks"]  # the ranks trained on different shards and still hold the same weights
     assert r["max_update"] > 1e-4 and all(abs(x) < 1e3 for x in r["losses"])
 
 
@@ -75,6 +77,7 @@ def main() -> None:
     from train.accelerator import assert_world_size, build_accelerator
     from train.loss import LossConfig
     from train.policy_trainer import PolicyTrainer, TrainerConfig
+    from train.views import ViewIds, build_view
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, required=True)
@@ -96,7 +99,9 @@ def main() -> None:
     rng = random.Random(0)
     trajs = [fake_block_trajectory(rng, f"t{i}", rng.randint(1, 9), rng.randint(5, 12), 4, 3, 63, 63)
              for i in range(5)]
-    (metrics,) = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    advantages = {t.sample_id: 1.0 for t in trajs}
+    expected_tokens = build_view(trajs, advantages, cfg.view, ViewIds.from_adapter(adapter)).num_tokens
+    (metrics,) = trainer.train_step(trajs, advantages)
     after = _gathered(accelerator, trainer.model)
     dev = accelerator.device
     all_after = accelerator.gather(after[None].to(dev)).cpu()
@@ -105,7 +110,7 @@ def main() -> None:
     result = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "identical_across_ranks": bool(all(torch.equal(all_after[0], r) for r in all_after)),
               "max_update": float((after - start).abs().max()), "micro_batches": summary[:, 0].tolist(),
-              "tokens": summary[:, 1].tolist(), "losses": summary[:, 2].tolist(),
+              "tokens": summary[:, 1].tolist(), "losses": summary[:, 2].tolist(), "expected_tokens": expected_tokens,
               "seconds": time.perf_counter() - t0}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

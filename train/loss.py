@@ -68,15 +68,27 @@ def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, weights:
     return LossOutput(loss, metrics)
 
 
-def summarize(metrics: list[dict[str, float]]) -> dict[str, float]:
-    """Combine micro-batch metrics: sum losses and counts, turn token sums into means."""
-    total: dict[str, float] = {}
-    for m in metrics:
-        for k, v in m.items():
-            total[k] = total.get(k, 0.0) + v
+LOSS_KEYS = ("loss", "policy_loss", "kl_loss")  # per-process objectives (averaged over processes, not summed)
+MEAN_OF_SUM = (("ratio_sum", "ratio_mean"), ("clip_count", "clip_frac"), ("approx_kl_sum", "approx_kl"),
+               ("ref_kl_sum", "ref_kl"))
+
+
+def sum_metrics(metrics: list[dict[str, float]], keys: list[str] | None = None) -> dict[str, float]:
+    """Add micro-batch metrics key by key (``keys`` fixes the key set, so every process reports the same keys)."""
+    keys = keys if keys is not None else sorted({k for m in metrics for k in m})
+    return {k: sum(m.get(k, 0.0) for m in metrics) for k in keys}
+
+
+def finalize_metrics(total: dict[str, float]) -> dict[str, float]:
+    """Turn summed token statistics into means over the trained tokens."""
+    total = dict(total)
     n = max(total.get("tokens", 0.0), 1.0)
-    for key, name in (("ratio_sum", "ratio_mean"), ("clip_count", "clip_frac"), ("approx_kl_sum", "approx_kl"),
-                      ("ref_kl_sum", "ref_kl")):
+    for key, name in MEAN_OF_SUM:
         if key in total:
             total[name] = total.pop(key) / n
     return total
+
+
+def summarize(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Combine micro-batch metrics of one process: sum losses and counts, turn token sums into means."""
+    return finalize_metrics(sum_metrics(metrics))

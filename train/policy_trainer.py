@@ -31,7 +31,7 @@ from torch import Tensor
 
 from sample.trajectory import Trajectory
 from train.logprobs import gathered_logprobs
-from train.loss import LossConfig, LossOutput, policy_loss, summarize
+from train.loss import LOSS_KEYS, LossConfig, LossOutput, finalize_metrics, policy_loss, sum_metrics
 from train.schedules import LRSchedule
 from train.views import TrainBatch, ViewConfig, ViewIds, build_view
 
@@ -222,11 +222,26 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         acc.gradient_state._set_sync_gradients(True)
         self.schedule.step()
-        metrics = summarize(parts)
+        metrics = finalize_metrics(self._global_sums(parts, micro))
         metrics.update(lr=lr, micro_batches=float(len(micro)))
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         return metrics
+
+    def _global_sums(self, parts: list[dict[str, float]], micro: list[TrainBatch]) -> dict[str, float]:
+        """Metric sums over every process's real micro-batches (fillers excluded); losses averaged over processes,
+        matching the averaged gradient."""
+        keys = sorted(parts[0])
+        total = sum_metrics([p for p, mb in zip(parts, micro) if not mb.filler], keys)
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return total
+        reduced = acc.reduce(torch.tensor([total[k] for k in keys], device=acc.device), reduction="sum").tolist()
+        total = dict(zip(keys, reduced))
+        for k in LOSS_KEYS:
+            if k in total:
+                total[k] /= acc.num_processes
+        return total
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
         if self.ref_model is None or not self.cfg.loss.ref_beta:
@@ -251,7 +266,7 @@ class PolicyTrainer:
         filler = next((mb for micro in plan for mb in micro), None)
         if filler is None:
             raise ValueError(f"process {acc.process_index} has no training rows; use fewer processes")
-        zero = filler.with_weights(torch.zeros_like(filler.weights))
+        zero = replace(filler.with_weights(torch.zeros_like(filler.weights)), filler=True)
         return [micro + [zero] * (int(n) - len(micro)) for micro, n in zip(plan, most)]
 
     def _generator(self, salt: int) -> torch.Generator:

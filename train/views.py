@@ -160,6 +160,7 @@ class TrainBatch:
     exact: bool  # True when old_logprobs (sampler) are valid for this view
     dropped: list[tuple[str, str]]  # (sample_id, reason) of trajectories left out
     extra: dict[str, Tensor] = field(default_factory=dict)  # more [T] vectors (e.g. old values), kept by select_rows
+    filler: bool = False  # a zero-weight copy that only keeps collective ops in step across processes
 
     @property
     def num_rows(self) -> int:
