@@ -309,7 +309,9 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
         layout._masks["block_mask"] = _flex_block_mask(layout, q.shape[2], q.device)
     fn = flex_attention
     if q.is_cuda:  # pragma: no cover - GPU only
-        fn = _FLEX_COMPILED.setdefault("fn", torch.compile(flex_attention, dynamic=False))
+        # Default compile settings (not dynamic=False): row lengths vary per batch, and automatic dynamic shapes
+        # avoid a recompile per length (the FlexAttention maintainers' advice, pytorch/pytorch#141486).
+        fn = _FLEX_COMPILED.setdefault("fn", torch.compile(flex_attention))
     return fn(q, k, v, block_mask=layout._masks["block_mask"], enable_gqa=q.shape[1] != k.shape[1])
 
 
