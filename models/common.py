@@ -58,10 +58,6 @@ class AttentionLayout:
         block = torch.arange(n, device=valid.device).expand(b, n).contiguous()
         return cls(block, torch.zeros_like(block), valid.bool())
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.block.shape
-
     def dense_mask(self) -> Tensor:
         """Boolean [B, 1, N, N] mask (True = visible), built by broadcasting the per-token vectors."""
         if "dense" not in self._masks:
