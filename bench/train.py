@@ -89,8 +89,9 @@ def run_one(args: argparse.Namespace) -> dict:
     """One configuration (in its own process): time and peak extra memory per sample."""
     from models.common import AttentionLayout  # noqa: F401  (import cost outside the timing)
     from train.logprobs import full_logits_logprobs, gathered_logprobs
-    from train.loss import LossConfig, policy_loss
-    from train.views import ViewConfig, ViewIds, build_view
+    from train.loss import policy_loss
+    from train.settings import LossConfig, ViewConfig
+    from train.views import ViewIds, build_view
 
     torch.set_num_threads(args.threads)
     model = build_model(args)

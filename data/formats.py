@@ -122,7 +122,12 @@ def infer_kind(row: Mapping) -> str:
 
 
 def _read_rows(path: Path) -> list[Any]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise DataFormatError(f"{path}: line {line}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                              f"offset {exc.start})") from None
     if path.suffix == ".jsonl":
         rows = []
         for n, line in enumerate(text.splitlines()):
@@ -146,7 +151,10 @@ def load_dataset_file(path: str | Path, kind: str) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path} (see data/README.md to download or build it)")
-    return validate_rows(_read_rows(path), kind, str(path))
+    rows = _read_rows(path)
+    if not rows:
+        raise DataFormatError(f"{path}: the dataset has no rows")
+    return validate_rows(rows, kind, str(path))
 
 
 def save_dataset_file(rows: Sequence[Mapping], path: str | Path, kind: str) -> Path:

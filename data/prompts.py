@@ -20,7 +20,7 @@ CODE_STDIO = ("This is the problem:\n{question}\nYou should put your code in " +
 
 
 def prompt_messages(row: dict[str, Any], data_type: str, start_with_think: bool = False) -> tuple[list[dict], str]:
-    """(chat messages, assistant prefix) for a dataset row; the prefix is appended after the generation prompt."""
+    """(chat messages, assistant prefix from the data) for a dataset row."""
     question = row["question"]
     if data_type == "math":
         text = (MATH_THINK if start_with_think else MATH).format(question=question)
@@ -31,16 +31,22 @@ def prompt_messages(row: dict[str, Any], data_type: str, start_with_think: bool 
         text = (CODE_STDIO if stdio else CODE_FUNCTION).format(question=question)
     else:
         raise ValueError(f"unknown data_type {data_type!r}; expected math, option or code")
-    prefix = "<think>\n" if start_with_think else ""
+    prefix = ""
     if data_type == "code" and row.get("test_method") != "stdio":
-        prefix += row.get("prefix", "") or ""
+        prefix = row.get("prefix", "") or ""
     return [{"role": "user", "content": text}], prefix
 
 
 def prompt_ids(adapter: Any, row: dict[str, Any], data_type: str, start_with_think: bool = False) -> list[int]:
-    """Token ids of the rendered prompt: chat template + generation prompt + assistant prefix."""
+    """Token ids of the rendered prompt: chat template + generation prompt (+ ``<think>``) + the row's prefix.
+
+    Dataset text (question, code prefix) is encoded as text: special-token strings in it never become special
+    tokens.
+    """
     messages, prefix = prompt_messages(row, data_type, start_with_think)
     ids = adapter.encode_chat(messages)
+    if start_with_think:
+        ids += adapter.tokenizer.encode("<think>\n", add_special_tokens=False)
     if prefix:
-        ids += adapter.tokenizer.encode(prefix, add_special_tokens=False)
+        ids += adapter.encode_text(prefix)
     return ids

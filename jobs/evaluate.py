@@ -1,26 +1,39 @@
-"""The evaluation job: sample a benchmark, score every response, write trajectories, metrics and a trace page."""
+"""Evaluation: sample a benchmark with one or more sampler settings, score every response once, report accuracy,
+pass@k and lengths, write trajectories and a trace page. Used by eval.py and by the RL loop's in-loop evaluation.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.config import cfg_to_dict, dump_config
-from jobs.rollout import load_tasks, rollout_tasks, sampling_params, score_rollout
-from models.registry import load_model
+from core.config import DEMO_MODEL_DIRS, config_text
+from core.files import StagedRun, write_atomic
+from core.loader import ConfigError
+from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded
+from models.registry import ModelLoadError, load_model
 from sample.get_trace_viewer import build_trace_html
 from sample.trajectory import write_jsonl
 
+TRACE_SAMPLES = 16
 
-def ensure_model(model_cfg: Any) -> None:
-    """Demo configs only: build a tiny random checkpoint where ``pretrained_model`` points, if it is missing."""
-    path = Path(str(model_cfg.pretrained_model))
-    if not model_cfg.get("init_tiny_if_missing", False) or (path / "config.json").is_file():
+
+def ensure_demo_model(model_cfg: Any) -> None:
+    """Demo configs only: build a tiny model at one of the demo paths when it is missing (and say so).
+
+    Any other missing path is an error: a mistyped path must never silently become a random model.
+    """
+    path = Path(model_cfg.pretrained_model)
+    if not model_cfg.init_tiny_if_missing or (path / "config.json").is_file():
         return
+    if path.as_posix().rstrip("/") not in DEMO_MODEL_DIRS:
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (model.init_tiny_if_missing only builds the "
+                             f"demo's own paths: {', '.join(DEMO_MODEL_DIRS)})")
     from models.tiny import save_tiny_checkpoint
     from models.tokenizers import build_demo_tokenizer
 
@@ -28,43 +41,97 @@ def ensure_model(model_cfg: Any) -> None:
     save_tiny_checkpoint(path, str(model_cfg.model_base), build_demo_tokenizer(), size="demo")
 
 
-def run_eval(cfg: Any) -> dict:
-    """Evaluate ``cfg.model`` on ``cfg.dataset.eval_dataset``; returns the metrics written to results.jsonl."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ensure_model(cfg.model)
-    loaded = load_model(cfg.model, device=device)
-    data_type, name = str(cfg.dataset.data_type), str(cfg.dataset.eval_dataset)
-    seed = int(cfg.experiment.seed) if cfg.experiment.get("seed") is not None else None
-    tasks = load_tasks(name, data_type, seed=seed or 0)
-    k = int(cfg.rollout.num_response_per_task)
-    params = sampling_params(cfg.rollout, seed)
-    out_dir = Path(str(cfg.experiment.output_dir)) / str(cfg.experiment.project)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, out_dir / "config.yaml")
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    start = time.perf_counter()
-    rollout = rollout_tasks(loaded.adapter, tasks, data_type, params, k, bool(cfg.rollout.start_with_think))
-    scores = score_rollout(rollout, tasks, data_type, k, execute=cfg.get("execute"))
-    for traj, score in zip(rollout, scores, strict=True):
-        traj.meta["score"] = score
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task with n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(adapter: Any, tasks: list[dict], data_type: str, rollout_cfg: Any, execute: Any, seed: int | None,
+             out_dir: Path | None, name: str, progress: bool = True, trace: bool = True) -> list[dict]:
+    """One metrics dict per sampler setting of ``rollout_cfg.runs()`` (trajectories and trace written to
+    ``out_dir`` when given)."""
+    runs = rollout_cfg.runs()
+    for params in runs:
+        check_for_model("rollout", params, adapter)
+    k = rollout_cfg.num_response_per_task
     stem = name.replace("builtin:", "builtin_").replace("/", "_")
-    write_jsonl(rollout, out_dir / f"trajectories-{stem}.jsonl")  # always whole records (step maps included)
-    if cfg.rollout.output_unmasking_history:
-        (out_dir / f"trace-{stem}.html").write_text(build_trace_html(list(rollout[:16]), loaded.tokenizer))
-    metrics = {
-        "dataset": name, "model": str(cfg.model.pretrained_model), "tasks": len(tasks), "responses": len(rollout),
-        # acc = mean over all responses (not pass@k), as in the reference (REFERENCE 11.2); code: all tests pass
-        "acc": sum(s >= 1.0 for s in scores) / max(len(scores), 1),
-        "mean_score": sum(scores) / max(len(scores), 1),
-        "avg_length": sum(len(t.response_ids) for t in rollout) / max(len(rollout), 1),
-        "finish_reasons": _count(t.finish_reason for t in rollout),
-        "sampling": rollout.stats.as_dict(), "wall_s": time.perf_counter() - start,
-        "rollout": cfg_to_dict(cfg.rollout),
-    }
-    with (out_dir / "results.jsonl").open("a") as f:
-        f.write(json.dumps(metrics) + "\n")
-    return metrics
+    results = []
+    for i, params in enumerate(runs):
+        start = time.perf_counter()
+        rollout = rollout_tasks(adapter, tasks, data_type, seeded(params, seed), progress=progress)
+        scores = score_rollout(rollout, tasks, data_type, execute=execute)
+        tag = f"{stem}" if len(runs) == 1 else f"{stem}-{i}"
+        setting = {"remasking_strategy": params.remasking_strategy, "top_k": params.top_k,
+                   "block_size": params.block_size}
+        metrics = {"dataset": name, "setting": setting, "tasks": len(tasks), "responses": len(rollout),
+                   # acc = mean over all responses (not pass@k), as the reference reports it; code: all tests pass
+                   "acc": sum(t.correct for t in rollout) / max(len(rollout), 1),
+                   "mean_score": sum(scores) / max(len(scores), 1),
+                   "avg_length": sum(len(t.response_ids) for t in rollout) / max(len(rollout), 1),
+                   "finish_reasons": _count(t.finish_reason for t in rollout),
+                   "sampling": rollout.stats.as_dict(), "wall_s": time.perf_counter() - start}
+        for kk in rollout_cfg.pass_k:
+            correct = [sum(t.correct for t in rollout[j * k:(j + 1) * k]) for j in range(len(tasks))]
+            metrics[f"pass@{kk}"] = sum(pass_at_k(k, c, kk) for c in correct) / max(len(tasks), 1)
+        if out_dir is not None:
+            write_jsonl(rollout, out_dir / f"trajectories-{tag}.jsonl")  # whole records (step maps included)
+            if trace and rollout_cfg.output_unmasking_history:
+                write_atomic(out_dir / f"trace-{tag}.html",
+                             build_trace_html(list(rollout[:TRACE_SAMPLES]), adapter.tokenizer))
+        results.append(metrics)
+    return results
+
+
+def summary_table(results: list[dict]) -> str:
+    """A fixed-width table of the runs (one line per sampler setting)."""
+    pass_keys = sorted({k for r in results for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
+    head = (f"{'strategy':<24}{'top_k':>6}{'block':>6}{'acc':>8}" + "".join(f"{k:>9}" for k in pass_keys)
+            + f"{'length':>8}{'tok/fwd':>8}{'tok/s':>9}")
+    lines = [head]
+    for r in results:
+        s, samp = r["setting"], r["sampling"]
+        lines.append(f"{s['remasking_strategy']:<24}{s['top_k']:>6}{str(s['block_size'] or '-'):>6}{r['acc']:>8.3f}"
+                     + "".join(f"{r[k]:>9.3f}" for k in pass_keys)
+                     + f"{r['avg_length']:>8.1f}{samp['tokens_per_forward']:>8.2f}{samp['tokens_per_second']:>9.1f}")
+    return "\n".join(lines)
+
+
+def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
+    """eval.py: evaluate ``cfg.model`` on ``cfg.dataset.eval_dataset``; the run directory appears, complete,
+    only at the end (config.yaml and results.jsonl written together)."""
+    cfg.system.apply()
+    run = StagedRun(Path(cfg.experiment.output_dir) / cfg.experiment.project, cfg.experiment.overwrite)
+    try:
+        ensure_demo_model(cfg.model)
+        loaded = load_model(cfg.model, device=default_device())
+        for params in cfg.rollout.runs():
+            check_for_model("rollout", params, loaded.adapter)
+        tasks = load_tasks(cfg.dataset.eval_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed)
+        results = evaluate(loaded.adapter, tasks, cfg.dataset.data_type, cfg.rollout, cfg.execute,
+                           cfg.experiment.seed, run.dir, cfg.dataset.eval_dataset, progress)
+        for r in results:
+            r["model"] = cfg.model.pretrained_model
+        write_atomic(run.dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
+        write_atomic(run.dir / "config.yaml", config_text(cfg))
+    except BaseException as err:
+        run.abandon(_why(err))
+        raise
+    run.commit()
+    return results
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(err, (ConfigError, ModelLoadError)):
+        return f"error: {err}"
+    return f"{type(err).__name__}: {err}"
 
 
 def _count(items) -> dict[str, int]:

@@ -113,13 +113,36 @@ class Adapter:
         return AttentionLayout.full(valid)
 
     def encode_chat(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat prompt rendered with the tokenizer's chat template (a str is one user turn)."""
+        """Token ids of a chat prompt rendered with the tokenizer's chat template (a str is one user turn).
+
+        Message contents are always encoded as text: special-token strings inside them (``<|MASK|>``,
+        ``<|im_end|>``) stay text, so data can never inject a mask id or a fake turn; special tokens come only
+        from the template.
+        """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        tok = self.tokenizer
+        if not any(sp in str(m.get("content", "")) for m in messages for sp in tok.all_special_tokens):
+            out = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if isinstance(out, dict) or hasattr(out, "input_ids"):
+                out = out["input_ids"]
+            return list(out)
+        marked = [dict(m, content=f"{_MARK}{i}{_MARK}") for i, m in enumerate(messages)]
+        rendered = tok.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tokenize=False)
+        ids: list[int] = []
+        for j, piece in enumerate(rendered.split(_MARK)):
+            if j % 2:
+                ids += self.encode_text(str(messages[int(piece)]["content"]))
+            elif piece:
+                ids += tok.encode(piece, add_special_tokens=False)
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of plain text (special-token strings in it are split into ordinary tokens)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+_MARK = "\ue000"  # a private-use character marking where message contents go in the rendered template
 
 
 class LoadedModel(NamedTuple):
@@ -181,15 +204,34 @@ def load_model(cfg: Any, device: str | torch.device = "cpu") -> LoadedModel:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model path {str(path)!r} is not a folder with a config.json "
                              "(weights cannot be downloaded at run time; download the checkpoint first)")
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    try:
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ModelLoadError(f"{path / 'config.json'}: not a valid JSON config ({e})") from None
     if model_type not in spec.model_types:
         raise ModelLoadError(f"{path}: model_type {model_type!r} does not match model_base {model_base!r} "
                              f"(expected {' or '.join(spec.model_types)})")
     dtype = DTYPES[get("dtype", "float32") or "float32"]
     overrides = {"attn_backend": get("attn_backend", "sdpa") or "sdpa"}
-    model = spec.model_class.from_pretrained(str(path), dtype=dtype, **overrides).to(device)
     tokenizer = load_tokenizer(get("tokenizer") or path)
-    return LoadedModel(model, make_adapter(model, tokenizer, model_base, get("block_size")), tokenizer)
+    model = _from_pretrained(spec.model_class, path, dtype, overrides).to(device)
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ModelLoadError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+                             f"{rows} rows (a tokenizer of another model? set model.tokenizer)")
+    return LoadedModel(model, make_adapter(model, tokenizer, model_base), tokenizer)
+
+
+def _from_pretrained(model_class: type, path: Path, dtype: torch.dtype, overrides: dict) -> Any:
+    """``from_pretrained`` with one-line errors for missing, truncated or mismatched weight files."""
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin")]
+    if not weights:
+        raise ModelLoadError(f"{path}: no weight files (*.safetensors or *.bin) in the checkpoint folder")
+    try:
+        return model_class.from_pretrained(str(path), dtype=dtype, **overrides)
+    except Exception as e:  # noqa: BLE001 - any failure here is a broken checkpoint folder: one line, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelLoadError(f"{path}: cannot load the weights ({type(e).__name__}: {first[:300]})") from None
 
 
 def load_tokenizer(path: str | Path):

@@ -43,6 +43,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from core.schema import Settings, bounded
 
 __all__ = [
     "SandboxConfig",
@@ -86,18 +89,20 @@ def code_from_response(response: str, prefix: str = "") -> str | None:
 
 # ---------------------------------------------------------------------------------------------- records
 @dataclass(frozen=True)
-class SandboxConfig:
-    """Resource limits and isolation choices shared by all jobs of a run."""
+class SandboxConfig(Settings):
+    """Resource limits and isolation choices shared by all jobs of a run (the ``execute`` section of configs)."""
 
-    memory_mb: int = 1024  # address-space limit per program
-    max_procs: int = 32  # processes/threads a program may add
-    max_output_bytes: int = 1 << 20  # stdout+stderr per test; more -> killed, "output_limit"
-    max_file_bytes: int = 16 << 20  # RLIMIT_FSIZE
-    tmpfs_mb: int = 64  # size of the private /tmp (mount namespace only)
-    startup_s: float = 10.0  # slack for start-up in the whole-job deadline
-    per_test_slack_s: float = 1.0  # added per test to the whole-job deadline
-    isolation: str = "auto"  # "auto" (best available) or "none"
-    uid_base: int = 200_000  # sandbox uids are uid_base + 64 * (pid % 1000) + worker slot
+    num_chunk: int = bounded(128, 1)  # programs run concurrently (worker threads driving sandboxes)
+    time_limit: float = bounded(1.0, 0.0, lo_open=True)  # seconds per test when the task sets no test_time_limit
+    memory_mb: int = bounded(1024, 0)  # address-space limit per program (0 = unlimited)
+    max_procs: int = bounded(32, 1)  # processes/threads a program may add
+    max_output_bytes: int = bounded(1 << 20, 1)  # stdout+stderr per test; more -> killed, "output_limit"
+    max_file_bytes: int = bounded(16 << 20, 0)  # RLIMIT_FSIZE
+    tmpfs_mb: int = bounded(64, 1)  # size of the private /tmp (mount namespace only)
+    startup_s: float = bounded(10.0, 0.0)  # slack for interpreter start-up in the whole-job deadline
+    per_test_slack_s: float = bounded(1.0, 0.0)  # added per test to the whole-job deadline
+    isolation: Literal["auto", "none"] = "auto"  # "auto" (best available) or "none"
+    uid_base: int = bounded(200_000, 1)  # sandbox uids are uid_base + 64 * (pid % 1000) + worker slot
 
 
 @dataclass
@@ -112,7 +117,7 @@ class CodeJob:
     time_limit: float = 1.0
 
     @classmethod
-    def from_task(cls, task: Mapping, code: str | None) -> CodeJob:
+    def from_task(cls, task: Mapping, code: str | None, default_time_limit: float = 1.0) -> CodeJob:
         """Job for a dataset row in our code format (data/README.md) and an extracted program."""
         return cls(
             code=code,
@@ -120,7 +125,7 @@ class CodeJob:
             test_list=list(task.get("test_list") or []),
             test_input=list(task.get("test_input") or []),
             test_output=list(task.get("test_output") or []),
-            time_limit=float(task.get("test_time_limit") or 1.0),
+            time_limit=float(task.get("test_time_limit") or default_time_limit),
         )
 
     def tests(self) -> list[dict]:
@@ -481,11 +486,14 @@ def _run(job: CodeJob, cfg: SandboxConfig, slot: int, n_tests: int) -> RunResult
 
 
 def run_many(
-    jobs: Sequence[CodeJob], max_workers: int = 4, config: SandboxConfig | None = None, progress: bool = False
+    jobs: Sequence[CodeJob], max_workers: int | None = None, config: SandboxConfig | None = None,
+    progress: bool = False,
 ) -> list[RunResult]:
-    """Run many jobs concurrently (threads driving sandboxed subprocesses); results in input order."""
+    """Run many jobs concurrently (threads driving sandboxed subprocesses); results in input order.
+
+    ``max_workers`` None = ``config.num_chunk``."""
     cfg = config or SandboxConfig()
-    workers = max(1, min(max_workers, 64, len(jobs) or 1))
+    workers = max(1, min(max_workers or cfg.num_chunk, 64, len(jobs) or 1))
     bar = _progress_bar(len(jobs)) if progress else None
 
     def one(job: CodeJob) -> RunResult:

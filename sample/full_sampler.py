@@ -1,8 +1,8 @@
 """Batched semi-autoregressive sampler for full-attention models (Dream, DiffuCoder, LLaDA, MMaDA).
 
-Each row's canvas is its prompt followed by G masks (G = max_tokens rounded up to a multiple of block_length);
+Each row's canvas is its prompt followed by G masks (G = max_tokens rounded up to a multiple of block_size);
 the batch is LEFT-padded, pads are invalid keys and position ids skip them, so a row's result does not depend on
-its batch mates (REFERENCE 16.13 not copied). Blocks of ``block_length`` are decoded left to right; ``steps``
+its batch mates (REFERENCE 16.13 not copied). Blocks of ``block_size`` are decoded left to right; ``steps``
 is spread over the blocks (earlier blocks get the remainder) and, inside a block, the block's masks are spread
 evenly over its steps with no zero-transfer iteration (REFERENCE 16.12 not copied). The remasking strategies are
 the block models' (sample/strategies.py); "low_confidence_dynamic" keeps the block-model rule (every candidate
@@ -63,7 +63,7 @@ class FullSampler:
     def __init__(self, adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,
                  generator: torch.Generator, on_finish: Callable[[Trajectory], None] | None = None):
         self.adapter, self.params, self.generator = adapter, params, generator
-        self.bl = params.block_length
+        self.bl = params.block_for("full", None)
         self.n_blocks = -(-params.max_tokens // self.bl)
         self.gen_len = self.n_blocks * self.bl
         per_block = split_steps(params.steps or self.gen_len, self.n_blocks)
@@ -99,7 +99,7 @@ class FullSampler:
         """A clear error when prompt + canvas does not fit the model's positions."""
         if self.limit is not None and len(prompt) + self.gen_len > self.limit:
             raise ValueError(f"prompt {index} has {len(prompt)} tokens; with max_tokens {self.params.max_tokens} "
-                             f"rounded up to {self.gen_len} (block_length {self.bl}) it needs "
+                             f"rounded up to {self.gen_len} (block_size {self.bl}) it needs "
                              f"{len(prompt) + self.gen_len} positions, but the model accepts {self.limit} "
                              "(max_position_embeddings)")
 

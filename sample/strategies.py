@@ -44,6 +44,10 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) 
     return logits
 
 
+class DegenerateLogitsError(ValueError):
+    """Sampling cannot continue: the distribution over tokens is undefined."""
+
+
 def draw_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
                 banned_id: int, pad_id: int) -> Draw:
     """Sample a token for every position of ``logits`` [R, K, V] (any dtype; computed in fp32).
@@ -56,6 +60,11 @@ def draw_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generat
     filtered[..., banned_id] = NEG_INF
     filtered = filter_logits(filtered, params.temperature, params.top_k, params.top_p)
     probs = filtered.softmax(-1)
+    if torch.isnan(probs).any():  # NaN logits, or filters that left no token with probability > 0
+        raise DegenerateLogitsError(
+            "the model produced NaN logits or no token with probability > 0 at "
+            f"{int(torch.isnan(probs).any(-1).sum())} position(s) (check the checkpoint and dtype); "
+            "stopping instead of committing an arbitrary token")
     tokens = probs.argmax(-1) if params.greedy else _sample(probs, generator)
     confidence = probs.gather(-1, tokens[..., None]).squeeze(-1)
     logprob = raw.gather(-1, tokens[..., None]).squeeze(-1) - raw.logsumexp(-1)

@@ -37,8 +37,10 @@ class Trajectory:
     tail_ids: list[int] = field(default_factory=list)
     tail_steps: list[int] = field(default_factory=list)
     block_size: int | None = None  # block size used when sampling (None for full attention without blocks)
-    sample_id: str = ""
-    group_id: str = ""
+    sample_id: str = ""  # unique in a run: "{task_index}-{response}" for jobs/
+    group_id: str = ""  # the sample's prompt group (responses to the same task share it)
+    task_index: int = -1  # row of the dataset / step's task list this sample answers
+    score: float | None = None  # set once by the reward: answer correctness or test pass fraction, in [0, 1]
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,6 +58,11 @@ class Trajectory:
             raise ValueError(
                 f"trajectory {self.sample_id!r}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}"
             )
+
+    @property
+    def correct(self) -> bool:
+        """Fully correct: the right answer, or every test passed."""
+        return self.score is not None and self.score >= 1.0
 
     @property
     def num_steps(self) -> int:

@@ -7,18 +7,21 @@ import json
 import eval as eval_entry
 from data.tasks import arithmetic_task, code_task
 from jobs.rollout import score_rollout
+from models.tiny import save_tiny_checkpoint
 from sample.generate import Rollout, RolloutStats
 from sample.trajectory import Trajectory, read_jsonl
 
 
-def test_eval_demo_runs_end_to_end(tmp_path, capsys):
+def test_eval_demo_runs_end_to_end(tmp_path, capsys, demo_tokenizer):
     out = tmp_path / "runs"
+    save_tiny_checkpoint(tmp_path / "tiny", "sdar", demo_tokenizer, size="demo")
     rc = eval_entry.main(["config=configs/demo/eval_demo.yaml", f"experiment.output_dir={out}",
                           f"model.pretrained_model={tmp_path / 'tiny'}", "rollout.max_token=8",
                           "rollout.num_response_per_task=2", "experiment.seed=1"])
     assert rc == 0
     run = out / "eval_demo"
     metrics = json.loads((run / "results.jsonl").read_text().splitlines()[-1])
+    assert (run / "config.yaml").is_file() and not (out / "eval_demo.partial").exists()
     trajs = list(read_jsonl(run / "trajectories-builtin_arithmetic.jsonl"))
     assert metrics["tasks"] == 64 and metrics["responses"] == len(trajs) == 128
     assert [t.sample_id for t in trajs[:4]] == ["0-0", "0-1", "1-0", "1-1"]
@@ -29,7 +32,7 @@ def test_eval_demo_runs_end_to_end(tmp_path, capsys):
             blocks.setdefault((len(t.prompt_ids) + i) // 4, []).append(step)
         spans = [(min(v), max(v)) for _, v in sorted(blocks.items())]
         assert spans[0][0] >= 1 and all(prev[1] < nxt[0] for prev, nxt in zip(spans, spans[1:]))
-    assert all(0.0 <= t.meta["score"] <= 1.0 for t in trajs)
+    assert all(0.0 <= t.score <= 1.0 for t in trajs)
     assert "<html" in (run / "trace-builtin_arithmetic.html").read_text().lower()
     assert "acc" in capsys.readouterr().out
 
@@ -42,7 +45,7 @@ def test_eval_missing_checkpoint_is_one_line(tmp_path, capsys):
 
 def _rollout(texts: list[str]) -> Rollout:
     trajs = [Trajectory(prompt_ids=[1], response_ids=[5, 6], step_map=[1, 2], logprobs=[0.0, 0.0], text=t,
-                        sample_id=f"{i // 2}-{i % 2}") for i, t in enumerate(texts)]
+                        sample_id=f"{i // 2}-{i % 2}", task_index=i // 2) for i, t in enumerate(texts)]
     return Rollout(trajs, RolloutStats(0, 0, 0, 1.0))
 
 
@@ -50,7 +53,7 @@ def test_math_scores_stay_attached_to_their_samples():
     tasks = arithmetic_task(2, seed=3)
     a0, a1 = tasks[0]["ground_truth_answer"], tasks[1]["ground_truth_answer"]
     texts = [f"\\boxed{{{a0}}}", "no answer", "\\boxed{-123456789}", f"so \\boxed{{{a1}}}"]
-    assert score_rollout(_rollout(texts), tasks, "math", k=2) == [1.0, 0.0, 0.0, 1.0]
+    assert score_rollout(_rollout(texts), tasks, "math") == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_code_scores_are_pass_fractions_per_sample():
@@ -58,5 +61,5 @@ def test_code_scores_are_pass_fractions_per_sample():
     fence = "`" * 3
     good = f"{fence}python\n{tasks[0]['solution']}\n{fence}"
     texts = [good, f"{fence}python\nimport sys\nsys.exit(0)\n{fence}"]
-    scores = score_rollout(_rollout(texts), tasks, "code", k=2)
+    scores = score_rollout(_rollout(texts), tasks, "code")
     assert scores == [1.0, 0.0]

@@ -17,7 +17,7 @@ def full(request, demo_tokenizer):
 
 
 def _greedy(**kw) -> SamplingParams:
-    base = dict(max_tokens=10, temperature=0.0, stop_token_ids=[], ignore_eos=True, block_length=BL, steps=9,
+    base = dict(max_tokens=10, temperature=0.0, stop_token_ids=[], ignore_eos=True, block_size=BL, steps=9,
                 further_horizon=2)
     return SamplingParams(**{**base, **kw})
 
@@ -84,7 +84,7 @@ def test_prompt_plus_canvas_beyond_the_limit_is_a_clear_error(demo_tokenizer):
 
 def test_sampling_options_run_and_are_reproducible(full):
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=40, alg_temp=0.5, seed=3,
-                            block_length=4, steps=6, target="margin_confidence", pad_target_penalty=2.0,
+                            block_size=4, steps=6, target="margin_confidence", pad_target_penalty=2.0,
                             remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.3)
     a = generate(full, prompts_of((2, 4)), params, progress=False)
     b = generate(full, prompts_of((2, 4)), params, progress=False)

@@ -120,7 +120,7 @@ def test_targets_prefer_peaked_distributions(target):
     ({"remasking_strategy": "fancy"}, "remasking_strategy"), ({"max_tokens": 0}, "max_tokens"),
     ({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"cache": "paged"}, "cache"),
     ({"target": "x"}, "target"), ({"dynamic_threshold": 1.5}, "dynamic_threshold"),
-    ({"denoising_steps": 0}, "denoising_steps"), ({"steps": 0}, "steps"), ({"block_length": 2.5}, "block_length"),
+    ({"denoising_steps": 0}, "denoising_steps"), ({"steps": 0}, "steps"), ({"block_size": 2.5}, "block_size"),
     ({"pad_target_penalty": 0}, "pad_target_penalty"), ({"max_active": 0}, "max_active"),
 ])
 def test_params_validation_names_the_field(kw, msg):
@@ -132,7 +132,6 @@ def test_params_defaults_and_stop_ids(demo_tokenizer):
     p = SamplingParams()
     assert (p.max_tokens, p.denoising_steps, p.dynamic_threshold, p.eb_threshold, p.remasking_strategy) == (
         64, 4, 0.9, 0.35, "low_confidence_static")
-    assert SamplingParams(use_cache=False).cache == "none"
     im_end = demo_tokenizer.convert_tokens_to_ids("<|im_end|>")
     eos = demo_tokenizer.eos_token_id
     assert p.stop_ids(demo_tokenizer, (eos,), (eos, im_end)) == {eos, im_end}

@@ -66,6 +66,21 @@ def expected_transfer(strategy: str, masked: list[int], conf: dict, ent: dict, n
     return set(out)
 
 
+NEAR_TIE = 1e-5  # batched and one-at-a-time forwards round differently: scores closer than this are ties
+
+
+def consistent_transfer(committed: set[int], strategy: str, masked: list[int], conf: dict, ent: dict, n_t: int,
+                        threshold: float, eb_threshold: float) -> bool:
+    """Whether the sampler's committed set is what the strategy picks from scores within NEAR_TIE of the
+    replay's: exact agreement, or agreement once committed positions are nudged up (and the others down) by
+    NEAR_TIE, i.e. the two differ only on a near-tie that float rounding may flip."""
+    if committed == expected_transfer(strategy, masked, conf, ent, n_t, threshold, eb_threshold):
+        return True
+    up = {i: conf[i] + (NEAR_TIE if i in committed else -NEAR_TIE) for i in conf}
+    low = {i: ent[i] + (-NEAR_TIE if i in committed else NEAR_TIE) for i in ent}
+    return committed == expected_transfer(strategy, masked, up, low, n_t, threshold, eb_threshold)
+
+
 def _forward_logits(adapter, ids: list[int], layout_fn) -> torch.Tensor:
     x = torch.tensor([ids])
     pos = torch.arange(len(ids))[None]
@@ -109,8 +124,8 @@ def replay_block(adapter, traj: Trajectory, b: int, steps: int, strategy: str = 
                 cmap = {i: conf[p_len + i].item() for i in masked}
                 emap = {i: ent[p_len + i].item() for i in masked}
                 n_t = sched[min(s - first, len(sched) - 1)]
-                want = expected_transfer(strategy, masked, cmap, emap, n_t, threshold, eb_threshold)
-                assert committed == want, (k, s, committed, want, cmap)
+                assert consistent_transfer(committed, strategy, masked, cmap, emap, n_t, threshold, eb_threshold), (
+                    k, s, committed, cmap)
     return n_forwards
 
 
@@ -147,8 +162,7 @@ def replay_full(adapter, traj: Trajectory, block_length: int, total_steps: int |
         sched = block_schedule(block_length, per_block[k])
         n_t = sched[min(s - first, len(sched) - 1)]
         cmap = {i: conf[pred[i]].item() for i in masked}
-        want = expected_transfer(strategy, masked, cmap, {}, n_t, 0.9, 0.35)
-        assert committed == want
+        assert consistent_transfer(committed, strategy, masked, cmap, {}, n_t, 0.9, 0.35), (s, committed, cmap)
     return n_forwards
 
 

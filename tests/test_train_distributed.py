@@ -75,8 +75,8 @@ def main() -> None:
     from models.sdar import SDARConfig, SDARForCausalLM
     from tests.test_train_views import fake_block_trajectory
     from train.accelerator import assert_world_size, build_accelerator
-    from train.loss import LossConfig
-    from train.policy_trainer import PolicyTrainer, TrainerConfig
+    from train.policy_trainer import PolicyTrainer
+    from train.settings import OptimizerParams, RLTrainingConfig
     from train.views import ViewIds, build_view
 
     ap = argparse.ArgumentParser()
@@ -84,9 +84,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    cfg = TrainerConfig(learning_rate=1e-2, micro_batch_size=1, old_logp="recompute", shuffle=False,
-                        loss=LossConfig(beta=0.01))
-    accelerator = build_accelerator(gradient_accumulation_steps=1, micro_batch_size=cfg.micro_batch_size)
+    cfg = RLTrainingConfig(batch_size_lm=1, old_logp="recompute", shuffle=False, beta=0.01)
+    accelerator = build_accelerator(gradient_accumulation_steps=1, micro_batch_size=cfg.batch_size_lm)
     assert_world_size(accelerator, args.world)
     torch.manual_seed(0)
     model = SDARForCausalLM(SDARConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -94,13 +93,13 @@ def main() -> None:
                                        mask_token_id=63))
     adapter = Adapter(model=model, model_base="sdar", family="sdar", attention="block", block_size=4, mask_id=63,
                       pad_id=0, eos_ids=(1,), shift_logits=False)
-    trainer = PolicyTrainer(adapter, cfg, accelerator=accelerator)
+    trainer = PolicyTrainer(adapter, cfg, OptimizerParams(learning_rate=1e-2), accelerator=accelerator)
     start = _gathered(accelerator, trainer.model)
     rng = random.Random(0)
     trajs = [fake_block_trajectory(rng, f"t{i}", rng.randint(1, 9), rng.randint(5, 12), 4, 3, 63, 63)
              for i in range(5)]
     advantages = {t.sample_id: 1.0 for t in trajs}
-    expected_tokens = build_view(trajs, advantages, cfg.view, ViewIds.from_adapter(adapter)).num_tokens
+    expected_tokens = build_view(trajs, advantages, cfg, ViewIds.from_adapter(adapter)).num_tokens
     (metrics,) = trainer.train_step(trajs, advantages)
     after = _gathered(accelerator, trainer.model)
     dev = accelerator.device

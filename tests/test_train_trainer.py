@@ -8,13 +8,21 @@ import random
 import pytest
 import torch
 
+from core.schema import to_dict
 from sample.generate import generate
 from sample.params import SamplingParams
 from tests.test_train_views import fake_block_trajectory
 from train.accelerator import build_accelerator
-from train.loss import LossConfig
-from train.policy_trainer import PolicyTrainer, TrainerConfig
-from train.views import ViewConfig, ViewIds, build_view
+from train.policy_trainer import PolicyTrainer
+from train.settings import (
+    LossConfig,
+    LRSchedulerConfig,
+    LRSchedulerParams,
+    OptimizerParams,
+    RLTrainingConfig,
+    ViewConfig,
+)
+from train.views import ViewIds, build_view
 
 
 def fresh_accelerator(**kwargs):
@@ -26,13 +34,21 @@ def fresh_accelerator(**kwargs):
     return build_accelerator(**kwargs)
 
 
-def make_trainer(adapter, mixed_precision="no", gradient_accumulation_steps=1, **cfg) -> PolicyTrainer:
-    cfg.setdefault("view", ViewConfig())
-    cfg.setdefault("loss", LossConfig(beta=0.0))
-    config = TrainerConfig(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
-                           **cfg)
+def training_config(view=None, loss=None, micro_batch_size=1, gradient_checkpointing=False, **kw) -> RLTrainingConfig:
+    """One RL training section from the view, loss and trainer settings of a test."""
+    parts = {**to_dict(view or ViewConfig()), **to_dict(loss or LossConfig(beta=0.0))}
+    return RLTrainingConfig(**parts, batch_size_lm=micro_batch_size,
+                            gradient_checkpointing_enable=gradient_checkpointing, **kw)
+
+
+def make_trainer(adapter, mixed_precision="no", gradient_accumulation_steps=1, learning_rate=1e-6,
+                 lr_scheduler="constant", total_steps=None, min_lr_scale=0.0, **cfg) -> PolicyTrainer:
+    config = training_config(mixed_precision=mixed_precision,
+                             gradient_accumulation_steps=gradient_accumulation_steps, **cfg)
     acc = fresh_accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps)
-    return PolicyTrainer(adapter, config, accelerator=acc)
+    schedule = LRSchedulerConfig(scheduler=lr_scheduler, params=LRSchedulerParams(min_lr_scale=min_lr_scale))
+    return PolicyTrainer(adapter, config, OptimizerParams(learning_rate=learning_rate), schedule, total_steps,
+                         accelerator=acc)
 
 
 def sampled(adapter, prompts, **params):
@@ -63,7 +79,7 @@ def test_trainer_logprobs_equal_sampler_logprobs_block_model(tiny, demo_tokenize
     trajs = sampled(adapter, prompts, max_tokens=15, denoising_steps=3, cache=cache,
                     remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.05)
     trainer = make_trainer(adapter, view=ViewConfig(layout=layout, max_gen_length=13))
-    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg.view, trainer.ids)
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
     assert batch.exact and batch.num_tokens == sum(min(len(t.response_ids), 13) for t in trajs)
     torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
 
@@ -72,9 +88,9 @@ def test_trainer_logprobs_equal_sampler_logprobs_block_model(tiny, demo_tokenize
 def test_trainer_logprobs_equal_sampler_logprobs_full_attention(tiny, demo_tokenizer, model_base):
     adapter = tiny(model_base, seed=1)
     prompts = [demo_tokenizer.encode(p) for p in PROMPTS] + [[]]  # an empty prompt: shifted first token
-    trajs = sampled(adapter, prompts, max_tokens=12, block_length=4, steps=8, cache="none")
+    trajs = sampled(adapter, prompts, max_tokens=12, block_size=4, steps=8, cache="none")
     trainer = make_trainer(adapter)
-    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg.view, trainer.ids)
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
     assert batch.exact and batch.num_tokens == sum(len(t.response_ids) for t in trajs)
     torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
 
@@ -144,7 +160,7 @@ def test_one_step_with_positive_advantages_raises_logprobs(tiny):
     trajs = fake_batch(adapter, n=3, seed=6)
     adv = {t.sample_id: 1.0 for t in trajs}
     trainer = make_trainer(adapter, learning_rate=3e-3, old_logp="recompute", micro_batch_size=2)
-    batch = build_view(trajs, adv, trainer.cfg.view, trainer.ids)
+    batch = build_view(trajs, adv, trainer.cfg, trainer.ids)
     before = trainer.logprobs(batch)
     (metrics,) = trainer.train_step(trajs, adv)
     after = trainer.logprobs(batch)
@@ -184,7 +200,7 @@ def test_reference_model_kl_term_in_trainer(tiny):
     adapter = tiny("sdar", seed=9)
     ref = tiny("sdar", seed=9).model  # same weights: KL to the reference is 0 at the first step
     trajs = fake_batch(adapter, n=2, seed=9)
-    cfg = TrainerConfig(old_logp="recompute", loss=LossConfig(beta=0.0, ref_beta=0.1))
+    cfg = training_config(old_logp="recompute", loss=LossConfig(beta=0.0, ref_beta=0.1))
     trainer = PolicyTrainer(adapter, cfg, accelerator=fresh_accelerator(), ref_model=ref)
     (metrics,) = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
     assert metrics["ref_kl"] == pytest.approx(0.0, abs=1e-6)

@@ -15,16 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from train.settings import LossConfig
+
 LOG_RATIO_CLAMP = 10.0
-
-
-@dataclass
-class LossConfig:
-    eps: float = 0.2
-    eps_high: float | None = None  # asymmetric upper clip (None = eps)
-    beta: float = 0.0
-    ref_beta: float = 0.0
-    use_kl_estimator_k3: bool = True
 
 
 def kl_estimate(logp_new: Tensor, logp_anchor: Tensor, k3: bool = True) -> Tensor:

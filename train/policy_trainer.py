@@ -23,59 +23,21 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from core.schema import replace as replace_settings
 from sample.trajectory import Trajectory
 from train.logprobs import gathered_logprobs
-from train.loss import LOSS_KEYS, LossConfig, LossOutput, finalize_metrics, policy_loss, sum_metrics
+from train.loss import LOSS_KEYS, LossOutput, finalize_metrics, policy_loss, sum_metrics
 from train.schedules import LRSchedule
-from train.views import TrainBatch, ViewConfig, ViewIds, build_view
+from train.settings import LRSchedulerConfig, OptimizerParams, RLTrainingConfig, TrainerSettings
+from train.views import TrainBatch, ViewIds, build_view
 
 log = logging.getLogger(__name__)
-
-OLD_LOGP_MODES = ("sampler", "recompute")
-
-
-@dataclass
-class TrainerConfig:
-    """Optimisation settings (keys mirror the reference's ``training.*`` / ``optimizer.*`` / ``lr_scheduler.*``)."""
-
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    lr_scheduler: str = "constant"
-    warmup_steps: int = 0
-    min_lr_scale: float = 0.0
-    total_steps: int | None = None  # optimiser steps over the whole run (linear / cosine)
-    max_grad_norm: float | None = 1.0
-    micro_batch_size: int = 1  # rows per forward
-    samples_per_step: int | None = None  # samples (per process) per optimiser step; None = one step per RL step
-    gradient_accumulation_steps: int = 1  # only configures the accelerator / DeepSpeed; its division is undone
-    num_epochs: int = 1
-    mixed_precision: str = "no"  # "no" | "bf16" | "fp16"
-    gradient_checkpointing: bool = False
-    shuffle: bool = True
-    seed: int = 0
-    # "sampler": Trajectory.logprobs, valid when the sampler ran the exact contexts (block models: cache "prefix" or
-    # "none"; full attention: cache "none"; shrink 1); "recompute": a no_grad forward before any update. Inexact
-    # views (random masking, coupled, shrink > 1) always recompute.
-    old_logp: str = "sampler"
-    check_sampler_logp: bool = False  # also recompute in "sampler" mode, to log the max |difference|
-    logits_chunk_size: int = 128  # trained positions per LM-head chunk (128 x 151936 fp32 = 78 MB)
-    view: ViewConfig = field(default_factory=ViewConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-
-    def __post_init__(self) -> None:
-        if self.old_logp not in OLD_LOGP_MODES:
-            raise ValueError(f"trainer config: old_logp={self.old_logp!r} is not one of {OLD_LOGP_MODES}")
-        if self.micro_batch_size < 1 or (self.samples_per_step is not None and self.samples_per_step < 1):
-            raise ValueError("trainer config: micro_batch_size and samples_per_step must be >= 1")
-
 
 Plan = list[list[TrainBatch]]  # optimiser steps -> micro-batches
 
@@ -83,20 +45,27 @@ Plan = list[list[TrainBatch]]  # optimiser steps -> micro-batches
 class PolicyTrainer:
     """Trains ``adapter.model`` on trajectories with the clipped policy-gradient loss (see module docstring)."""
 
-    def __init__(self, adapter: Any, cfg: TrainerConfig, accelerator: Any = None, ref_model: Any = None):
+    def __init__(self, adapter: Any, cfg: RLTrainingConfig, optimizer: OptimizerParams | None = None,
+                 lr_scheduler: LRSchedulerConfig | None = None, total_steps: int | None = None,
+                 accelerator: Any = None, ref_model: Any = None):
+        """``total_steps``: optimiser steps over the whole run (needed by decaying LR schedules)."""
         self.adapter, self.cfg, self.ref_model = adapter, cfg, ref_model
+        opt = optimizer or OptimizerParams()
+        sched = lr_scheduler or LRSchedulerConfig()
         self.ids = ViewIds.from_adapter(adapter)
         self.accelerator = accelerator or _default_accelerator(cfg)
+        if cfg.enable_tf32 and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         model = adapter.model
-        if cfg.gradient_checkpointing:
+        if cfg.gradient_checkpointing_enable:
             _enable_checkpointing(model)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                      betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt.learning_rate,
+                                  betas=(opt.beta1, opt.beta2), eps=opt.epsilon, weight_decay=opt.weight_decay)
+        self.model, self.optimizer = self.accelerator.prepare(model, optim)
         if ref_model is not None:  # frozen reference for the ref_beta KL (a full copy per process)
             self.ref_model = ref_model.to(self.accelerator.device).eval().requires_grad_(False)
-        self.schedule = LRSchedule(self.optimizer, cfg.lr_scheduler, cfg.total_steps, cfg.warmup_steps,
-                                   cfg.min_lr_scale)
+        self.schedule = LRSchedule(self.optimizer, sched.scheduler, total_steps, sched.params.warmup_steps,
+                                   sched.params.min_lr_scale)
         self.rl_step = 0
         self.dropped: list[tuple[str, str]] = []
 
@@ -110,7 +79,7 @@ class PolicyTrainer:
         plan = self._equalize([self.micro_batches(b, i) for i, b in enumerate(batches)])
         old_metrics = self.compute_old_logprobs(plan)
         out = []
-        for _ in range(self.cfg.num_epochs):
+        for _ in range(self.cfg.num_train_epochs):
             for micro in plan:
                 if not micro:  # every sample of this step was dropped (all processes agree, see _equalize)
                     continue
@@ -135,7 +104,7 @@ class PolicyTrainer:
             raise ValueError("train_step got no trajectories")
         per_step = self.cfg.samples_per_step or per_process
         n_steps = math.ceil(per_process / per_step)
-        view_cfg = replace(self.cfg.view, seed=self.cfg.view.seed + 7919 * self.rl_step + acc.process_index)
+        view_cfg = replace_settings(self.cfg, seed=self.cfg.seed + 7919 * self.rl_step + acc.process_index)
         batches = [build_view(shard[i * per_step:(i + 1) * per_step], advantages, view_cfg, self.ids)
                    for i in range(n_steps)]
         self.dropped = [d for b in batches for d in b.dropped]
@@ -165,7 +134,7 @@ class PolicyTrainer:
         return self.forward_logprobs(self.model, mb)
 
     def loss(self, mb: TrainBatch, logp_new: Tensor) -> LossOutput:
-        return policy_loss(logp_new, mb.old_logprobs, mb.advantages, mb.weights, self.cfg.loss,
+        return policy_loss(logp_new, mb.old_logprobs, mb.advantages, mb.weights, self.cfg,
                            self._ref_logprobs(mb))
 
     def after_step(self, metrics: dict[str, float]) -> None:
@@ -188,7 +157,7 @@ class PolicyTrainer:
             self.model.eval()
             parts = [self.forward_logprobs(self.model, mb).float().cpu()
                      for mb in self.micro_batches(batch, 0, shuffle=False)]
-        return _reassemble(batch, parts, self.cfg.micro_batch_size)
+        return _reassemble(batch, parts, self.cfg.batch_size_lm)
 
     # ------------------------------------------------------------ optimisation
 
@@ -198,7 +167,7 @@ class PolicyTrainer:
         order = torch.arange(batch.num_rows)
         if shuffle:
             order = torch.randperm(batch.num_rows, generator=self._generator(step + 1))
-        size = self.cfg.micro_batch_size
+        size = self.cfg.batch_size_lm
         return [batch.select_rows(order[i:i + size]) for i in range(0, batch.num_rows, size)]
 
     def optimizer_step(self, micro: list[TrainBatch]) -> dict[str, float]:
@@ -244,7 +213,7 @@ class PolicyTrainer:
         return total
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
-        if self.ref_model is None or not self.cfg.loss.ref_beta:
+        if self.ref_model is None or not self.cfg.ref_beta:
             return None
         with torch.no_grad():
             return self.forward_logprobs(self.ref_model, mb).float()
@@ -295,9 +264,9 @@ def _is_deepspeed(acc: Any) -> bool:
     return getattr(acc, "deepspeed_engine_wrapped", None) is not None
 
 
-def _default_accelerator(cfg: TrainerConfig) -> Any:
+def _default_accelerator(cfg: TrainerSettings) -> Any:
     from train.accelerator import build_accelerator
 
     return build_accelerator(mixed_precision=cfg.mixed_precision,
                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                             micro_batch_size=cfg.micro_batch_size)
+                             micro_batch_size=cfg.batch_size_lm)

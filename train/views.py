@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -54,51 +54,12 @@ from torch import Tensor
 from models.common import AttentionLayout
 from sample.trajectory import Trajectory
 from train.layouts import Segment, clean_segment, collate_rows, select_layout_rows
-
-METHODS = ("tracerl", "random_masking", "coupled")
-LAYOUTS = ("packed", "per_round")
-LOSS_NORMS = ("padded_length", "row_mean", "token_mean")
-RANDOM_MASK_MODES = ("per_sequence", "per_position")
+from train.settings import ViewConfig
 
 PROMPT, RESPONSE, TAIL = 0, 1, 2
 
 
 # ---------------------------------------------------------------- configuration
-
-
-@dataclass
-class ViewConfig:
-    """How trajectories become training rows (keys mirror the reference's ``training.*``)."""
-
-    method: str = "tracerl"
-    layout: str = "packed"  # block models only; full attention is always one row per unit
-    shrink: int = 1
-    post_num: int = 0
-    max_prompt_len: int | None = None
-    max_gen_length: int | None = None
-    loss_norm: str = "padded_length"
-    lower_p: float = 0.1
-    upper_p: float = 0.9
-    random_mask_mode: str = "per_sequence"
-    mask_times_per_sample: int = 1  # draws per sample for random/coupled (reference Dream default 35)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.method = {"tracerl": "tracerl", "trace_rl": "tracerl"}.get(self.method.lower(), self.method.lower())
-        _check_choice("method", self.method, METHODS)
-        _check_choice("layout", self.layout, LAYOUTS)
-        _check_choice("loss_norm", self.loss_norm, LOSS_NORMS)
-        _check_choice("random_mask_mode", self.random_mask_mode, RANDOM_MASK_MODES)
-        if self.shrink < 1 or self.post_num < 0 or self.mask_times_per_sample < 1:
-            raise ValueError("view config: shrink and mask_times_per_sample must be >= 1, post_num >= 0")
-        if not 0.0 <= self.lower_p <= self.upper_p <= 1.0:
-            raise ValueError(f"view config: need 0 <= lower_p <= upper_p <= 1, got {self.lower_p}, {self.upper_p}")
-
-    @classmethod
-    def from_any(cls, cfg: Any) -> ViewConfig:
-        """Build from a mapping / attribute object, taking only the keys this class knows."""
-        get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
-        return cls(**{f.name: get(f.name) for f in fields(cls) if get(f.name) is not None})
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:

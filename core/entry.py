@@ -1,0 +1,49 @@
+"""What every entry script does around its job: user errors as one line (exit 2), interrupts as one line."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+
+EXIT_USER_ERROR = 2
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, delivered as an interrupt so the job's cleanup runs."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that describe a problem the user can fix (their message is the whole story)."""
+    from core.files import RunDirError
+    from core.loader import ConfigError
+    from data.formats import DataFormatError
+    from models.registry import ModelLoadError
+    from sample.strategies import DegenerateLogitsError
+
+    return (ConfigError, ModelLoadError, DataFormatError, RunDirError, FileNotFoundError, DegenerateLogitsError)
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise Terminated()
+
+
+def run_job(job: Callable[[], object]) -> int:
+    """Run ``job``; a user error prints ``error: <one line>`` and returns 2, an interrupt prints one line."""
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        job()
+        return 0
+    except KeyboardInterrupt as err:
+        terminated = isinstance(err, Terminated)
+        print(f"\n{'terminated' if terminated else 'interrupted'}: the partial run is left in its '.partial' "
+              "folder, marked INTERRUPTED", file=sys.stderr)
+        return EXIT_SIGTERM if terminated else EXIT_SIGINT
+    except Exception as err:
+        if isinstance(err, _user_errors()):
+            print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,451 @@
+"""Reading a job config: one YAML file plus ``key=value`` overrides, checked and built into typed section objects.
+
+The schema of a job kind is a tree of section dataclasses (see core/schema.py). Loading:
+1. reads the file and the overrides (values are YAML scalars: ``1e-5`` is a float, ``[0,1]`` a list, ``null`` is
+   None; overrides apply in order after the file; ``???`` is refused: a value is required);
+2. maps the reference implementation's renamed keys (:data:`RENAMES`, one table) and drops, with a printed
+   notice, reference keys that have no effect here (:data:`NO_EFFECT`);
+3. rejects unknown keys naming the file and the closest valid key, and unsupported ones with the reason;
+4. fills defaults from the dataclasses, lets a section follow another (``evaluation`` keys that are not set follow
+   ``rollout``), resolves ``${a.b}`` interpolations, coerces types (int -> float, number -> str);
+5. builds the section objects, whose own checks (ranges, allowed sets, cross-field rules) run on construction.
+Every failure is a :class:`ConfigError`: one line naming the key and where it came from (file or override).
+
+Nothing here imports torch, so a typo is reported in well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from core.schema import SettingError, config_fields, describe_type
+
+REQUIRED = "???"
+USAGE = "usage: <script> config=path/to/job.yaml [key.sub=value ...]"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message is one line naming the key and the file."""
+
+    def __init__(self, message: str, key: str | None = None, source: str | None = None):
+        super().__init__(" ".join(str(message).splitlines()))
+        self.key = key
+        self.source = source
+
+
+def required() -> Any:
+    """A field the user must set (no default)."""
+    return dataclasses.field(default=None, metadata={"required": True})
+
+
+# ------------------------------------------------------------------------------- reference key mapping
+
+def _cache_from_use_cache(value: Any) -> Any:
+    return value if not isinstance(value, bool) else ("prefix" if value else "none")
+
+
+# (section, reference key) -> (our key, value conversion or None). Sections listed in _RENAMED_SECTIONS.
+RENAMES: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
+    "max_token": ("max_tokens", None),
+    "max_gen_length": ("max_tokens", None),  # Dream/LLaDA: the generation length
+    "denoising_steps_per_block": ("denoising_steps", None),
+    "stop_token_list": ("stop", None),
+    "use_cache": ("cache", _cache_from_use_cache),  # true -> prefix, false -> none
+    "batch_size": ("max_active", None),  # Dream/LLaDA: prompts sampled together
+}
+_RENAMED_SECTIONS = ("rollout", "evaluation")
+
+# Reference keys that configure something this framework does differently: accepted so the reference's files
+# load, with a printed notice saying why they have no effect.
+NO_EFFECT: dict[str, str] = {
+    "experiment.function": "rl.py runs every stage in one process",
+    "training.block_size": "training views use the block size each trajectory was sampled with (rollout.block_size)",
+    "dataset.optimization_data": "rollouts stay in memory and are written to the step directory",
+    "optimizer.params.scale_lr": "the reference never reads it",
+    "lr_scheduler.params.learning_rate": "the learning rate is optimizer.params.learning_rate",
+    "system.env_name": "activate the environment before launching (no conda activation per node)",
+    "system.envs_dir": "activate the environment before launching (no conda activation per node)",
+}
+
+
+def _rename_section(tree: dict[str, Any], section: str, src: str) -> None:
+    body = tree.get(section)
+    if not isinstance(body, dict):
+        return
+    for old, (new, convert) in RENAMES.items():
+        if old not in body:
+            continue
+        value = body.pop(old)
+        value = convert(value) if convert else value
+        current = body.get(new)
+        if new not in body or _is_interp(current, f"{section}.{old}"):
+            body[new] = value
+        elif current != value and not _is_interp(value, f"{section}.{new}"):
+            raise ConfigError(f"{src}: '{section}.{old}' (the reference's name of '{section}.{new}') and "
+                              f"'{section}.{new}' are both set, to different values ({value!r} vs {current!r})",
+                              f"{section}.{old}", src)
+
+
+def _is_interp(value: Any, key: str) -> bool:
+    return isinstance(value, str) and value.strip() == "${" + key + "}"
+
+
+def _rename_interpolations(tree: Any) -> Any:
+    """Point ``${rollout.max_token}``-style interpolations at the renamed keys."""
+    if isinstance(tree, dict):
+        return {k: _rename_interpolations(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_rename_interpolations(v) for v in tree]
+    if isinstance(tree, str) and "${" in tree:
+        for section in _RENAMED_SECTIONS:
+            for old, (new, _) in RENAMES.items():
+                tree = tree.replace("${" + f"{section}.{old}" + "}", "${" + f"{section}.{new}" + "}")
+    return tree
+
+
+def _apply_renames(tree: dict[str, Any], src: str) -> dict[str, Any]:
+    for section in _RENAMED_SECTIONS:
+        _rename_section(tree, section, src)
+    return _rename_interpolations(tree)
+
+
+def _normalise_reference_form(tree: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite the reference eval form ``model: <path>`` + ``model_base: <name>`` to the nested form."""
+    if isinstance(tree.get("model"), str):
+        tree["model"] = {"pretrained_model": tree["model"]}
+    if "model_base" in tree and (tree.get("model") is None or isinstance(tree.get("model"), dict)):
+        tree["model"] = dict(tree.get("model") or {}, model_base=tree.pop("model_base"))
+    return tree
+
+
+# ------------------------------------------------------------------------------------------ schema walk
+
+
+@functools.cache
+def all_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
+    """Every dotted key of a schema, sections included."""
+    keys: list[str] = []
+    for name, (tp, _) in config_fields(cls).items():
+        keys.append(prefix + name)
+        if _is_section(tp):
+            keys.extend(all_keys(tp, f"{prefix}{name}."))
+    return tuple(keys)
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def closest_key(key: str, root: type) -> str:
+    """The valid key most similar to `key`: a sibling, else the same name elsewhere, else the best overall."""
+    parent, _, leaf = key.rpartition(".")
+    keys = all_keys(root)
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}
+    match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    if match:
+        return siblings[match[0]]
+    same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf]
+    if same_leaf:
+        return same_leaf[0]
+    return difflib.get_close_matches(key, keys, n=1, cutoff=0.0)[0]
+
+
+def defaults_tree(cls: type) -> dict[str, Any]:
+    """Default values of a schema as plain data; required keys hold ``???``."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_") or not f.init:
+            continue
+        tp = config_fields(cls)[f.name][0]
+        if _is_section(tp):
+            out[f.name] = defaults_tree(tp)
+        elif f.metadata.get("required"):
+            out[f.name] = REQUIRED
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        else:
+            out[f.name] = f.default
+    return out
+
+
+def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        yield key
+        if isinstance(value, dict):
+            yield from _leaf_keys(value, key + ".")
+
+
+# ------------------------------------------------------------------------------------------------ coercion
+
+
+class _Mismatch(Exception):
+    """A value does not fit a type; `specific` when the value had the right shape (better to report)."""
+
+    def __init__(self, detail: str, specific: bool = False):
+        super().__init__(detail)
+        self.detail = detail
+        self.specific = specific
+
+
+def _fail(detail: str, specific: bool = False) -> Any:
+    raise _Mismatch(detail, specific)
+
+
+_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
+
+
+def _coerce_literal(value: Any, allowed: tuple[Any, ...]) -> Any:
+    if isinstance(value, bool):  # YAML reads `no` / `off` as false
+        value = next((w for w in _BOOL_WORDS[value] if w in allowed), value)
+    if value in allowed and not isinstance(value, bool):
+        return value
+    detail = "must be one of {" + ", ".join(map(str, allowed)) + f"}}, got {value!r}"
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value, [str(a) for a in allowed], n=1, cutoff=0.5)
+        detail += f" (closest: {close[0]!r})" if close else ""
+    return _fail(detail, specific=isinstance(value, str))
+
+
+def _coerce_union(value: Any, args: tuple[Any, ...], tp: Any) -> Any:
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arm in (a for a in args if a is not type(None)):
+        try:
+            return coerce(value, arm)
+        except _Mismatch as err:
+            errors.append(err)
+    specific = [e for e in errors if e.specific]
+    if specific:
+        raise specific[0]
+    return _fail(f"expects {describe_type(tp)}, got {value!r}")
+
+
+def _coerce_scalar(value: Any, tp: Any) -> Any:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and number and isinstance(value, int):
+        return value
+    if tp is float and number:
+        return float(value)
+    if tp is str and (isinstance(value, str) or number):
+        return str(value)
+    return _fail(f"expects {describe_type(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def coerce(value: Any, tp: Any) -> Any:
+    """Check `value` against schema type `tp`; return it converted (int -> float, number -> str)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return _coerce_union(value, args, tp)
+    if origin is Literal:
+        return _coerce_literal(value, args)
+    if origin is list:
+        if not isinstance(value, list):
+            return _fail(f"expects {describe_type(tp)}, got {value!r}")
+        try:
+            return [coerce(v, args[0]) for v in value]
+        except _Mismatch as err:
+            raise _Mismatch(f"list element {err.detail}", specific=True) from None
+    if origin is dict:
+        if not isinstance(value, dict):
+            return _fail(f"expects {describe_type(tp)}, got {value!r}")
+        return {str(k): coerce(v, args[1]) for k, v in value.items()}
+    return _coerce_scalar(value, tp)
+
+
+# ------------------------------------------------------------------------------------------ reading sources
+
+
+def split_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """Separate ``config=path`` from the ``key=value`` overrides."""
+    path: str | None = None
+    overrides: list[str] = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq:
+            raise ConfigError(f"argument {arg!r} is not of the form key=value ({USAGE})", key=arg)
+        if key.strip() != "config":
+            overrides.append(arg)
+        elif path is not None:
+            raise ConfigError(f"config= given twice ({path!r} and {value!r})", key="config")
+        else:
+            path = value.strip()
+    if not path:
+        raise ConfigError(f"missing 'config=<file.yaml>' argument ({USAGE})", key="config")
+    return path, overrides
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML mapping, without resolving interpolations."""
+    if not Path(path).is_file():
+        raise ConfigError(f"config={path}: file not found (cwd {os.getcwd()})", key="config", source=path)
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{path}{where}: invalid YAML: {problem}", source=path) from None
+    except (OmegaConfBaseException, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read: {str(err).splitlines()[0]}", source=path) from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections", source=path)
+    return typing.cast(dict, OmegaConf.to_container(raw, resolve=False))
+
+
+def parse_override(item: str, path: str) -> dict[str, Any]:
+    """One ``a.b=c`` override as a nested dict (value parsed as a YAML scalar)."""
+    key, _, value = item.partition("=")
+    key = key.strip()
+    src = f"{path} (override {item!r})"
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"{src}: malformed key {key!r}", key, src)
+    if value.strip() == REQUIRED:
+        raise ConfigError(f"{src}: key '{key}' needs a value ({REQUIRED} is the marker of a required key)", key, src)
+    try:
+        tree = OmegaConf.from_dotlist([item])
+    except (yaml.YAMLError, OmegaConfBaseException) as err:
+        raise ConfigError(f"{src}: cannot parse the value: {str(err).splitlines()[0]}", key, src) from None
+    return typing.cast(dict, OmegaConf.to_container(tree, resolve=False))
+
+
+# ------------------------------------------------------------------------------------------ tree checks
+
+
+def check_tree(tree: dict[str, Any], cls: type, root: type, src: str, unsupported: dict[str, str],
+               notices: list[str], prefix: str = "") -> None:
+    """Reject unknown keys and section/scalar shape errors in one source; drop no-effect keys with a notice."""
+    fields = config_fields(cls)
+    for name in list(tree):
+        key, value = f"{prefix}{name}", tree[name]
+        if key in NO_EFFECT and str(name) not in fields:
+            notices.append(f"note: {src}: '{key}' has no effect here ({NO_EFFECT[key]})")
+            del tree[name]
+            continue
+        if str(name) not in fields:
+            _unknown_key(key, root, src, unsupported)
+        for bad, reason in unsupported.items():
+            if key == bad and value is not None:
+                raise ConfigError(f"{src}: unsupported key '{key}': {reason}", key, src)
+        tp = fields[str(name)][0]
+        if _is_section(tp):
+            if value is None:
+                tree[name] = {}
+            elif not isinstance(value, dict):
+                raise ConfigError(f"{src}: key '{key}' is a section (a mapping), got {value!r}", key, src)
+            else:
+                check_tree(value, tp, root, src, unsupported, notices, key + ".")
+        elif isinstance(value, dict) and not _accepts_mapping(tp):
+            raise ConfigError(f"{src}: key '{key}' expects {describe_type(tp)}, got a mapping", key, src)
+
+
+def _unknown_key(key: str, root: type, src: str, unsupported: dict[str, str]) -> None:
+    for bad, reason in unsupported.items():
+        if key == bad or key.startswith(bad + "."):
+            raise ConfigError(f"{src}: unsupported key '{key}': {reason}", key, src)
+    raise ConfigError(f"{src}: unknown key '{key}' (closest valid key: '{closest_key(key, root)}')", key, src)
+
+
+def _accepts_mapping(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts_mapping(a) for a in typing.get_args(tp))
+    return tp is Any or origin is dict
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+_INTERP = re.compile(r"\$\{([^}]*)\}")
+
+
+def _resolve(cfg: DictConfig, key: str, src: str) -> Any:
+    node, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, node) if node else cfg
+    try:
+        value = parent[leaf]
+        if isinstance(value, DictConfig) or OmegaConf.is_list(value):
+            value = OmegaConf.to_container(value, resolve=True)
+    except OmegaConfBaseException as err:
+        raw = OmegaConf.to_container(parent, resolve=False).get(leaf)  # type: ignore[union-attr]
+        raise ConfigError(f"{src}: key '{key}': cannot resolve {raw!r}: {str(err).splitlines()[0]}",
+                          key, src) from None
+    return value
+
+
+def build(cls: type, cfg: DictConfig, sources: dict[str, str], path: str, prefix: str = "") -> Any:
+    """Instantiate section class `cls` from the merged config (values coerced; the class validates itself)."""
+    kwargs: dict[str, Any] = {}
+    for name, (tp, _meta) in config_fields(cls).items():
+        key = prefix + name
+        src = sources.get(key, path)
+        if _is_section(tp):
+            kwargs[name] = build(tp, cfg, sources, path, key + ".")
+            continue
+        if OmegaConf.is_missing(OmegaConf.select(cfg, prefix[:-1]) if prefix else cfg, name):
+            raise ConfigError(f"{src}: missing required key '{key}' (set it in the file or pass {key}=...)", key, src)
+        value = _resolve(cfg, key, src)
+        try:
+            kwargs[name] = coerce(value, tp)
+        except _Mismatch as err:
+            raise ConfigError(f"{src}: key '{key}' {err.detail}", key, src) from None
+    try:
+        return cls(**kwargs)
+    except SettingError as err:
+        key = prefix + err.field
+        src = sources.get(key, path)
+        raise ConfigError(f"{src}: key '{key}': {err}", key, src) from None
+
+
+def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None = None,
+         follows: dict[str, str] | None = None, stream: Any = None) -> Any:
+    """Load ``config=<file>`` plus overrides into an instance of ``schema`` (see the module docstring).
+
+    ``follows`` maps a section to another whose value its unset keys take (``{"evaluation": "rollout"}``).
+    Notices about no-effect reference keys go to ``stream`` (stderr by default).
+    """
+    unsupported = unsupported or {}
+    path, overrides = split_argv(argv)
+    notices: list[str] = []
+    layers = [_apply_renames(_normalise_reference_form(read_yaml(path)), path)]
+    check_tree(layers[0], schema, schema, path, unsupported, notices)
+    sources = dict.fromkeys(_leaf_keys(layers[0]), path)
+    for item in overrides:
+        src = f"{path} (override {item!r})"
+        tree = _apply_renames(_normalise_reference_form(parse_override(item, path)), src)
+        check_tree(tree, schema, schema, src, unsupported, notices)
+        sources.update(dict.fromkeys(_leaf_keys(tree), src))
+        layers.append(tree)
+    try:
+        cfg = typing.cast(DictConfig, OmegaConf.merge(defaults_tree(schema), *layers))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{path}: {str(err).splitlines()[0]}", source=path) from None
+    for section, leader in (follows or {}).items():
+        for name in config_fields(config_fields(schema)[section][0]):
+            if f"{section}.{name}" not in sources and name in cfg[leader]:
+                cfg[section][name] = "${" + f"{leader}.{name}" + "}"
+    if OmegaConf.is_missing(cfg.experiment, "project"):
+        cfg.experiment.project = Path(path).stem
+    out = build(schema, cfg, sources, path)
+    for line in notices:
+        print(line, file=stream or sys.stderr)
+    return out

@@ -1,0 +1,125 @@
+"""Training settings, declared once: each class is both a section of the job config and what the trainer reads.
+
+``ViewConfig`` (how trajectories become rows), ``LossConfig`` (the clipped policy-gradient loss) and
+``TrainerSettings`` (optimisation loop) combine into the ``training`` section of RL configs
+(:class:`RLTrainingConfig`); ``OptimizerConfig`` and ``LRSchedulerConfig`` are the ``optimizer`` and
+``lr_scheduler`` sections. Key names follow the reference configs (``training.batch_size_lm`` ...). Torch-free, so
+configs are validated before heavy imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from core.schema import SettingError, Settings, bounded
+
+METHODS = ("tracerl", "random_masking", "coupled")
+_METHOD_NAMES = {"tracerl": "tracerl", "trace_rl": "tracerl", "random_masking": "random_masking",
+                 "coupled": "coupled"}
+
+
+@dataclass
+class Seeded(Settings):
+    seed: int = 0  # random masks, row shuffling, sampling draws of the training job
+
+
+@dataclass
+class ViewConfig(Seeded):
+    """How trajectories become training rows (see train/views.py)."""
+
+    method: str = "tracerl"  # TraceRL | random_masking | coupled (case-insensitive)
+    layout: Literal["packed", "per_round"] = "packed"  # block models only; full attention: one row per unit
+    shrink: int = bounded(1, 1)  # merge groups of `shrink` consecutive step ids into one round
+    post_num: int = bounded(0, 0)  # trained pad tokens per response besides the stop token
+    max_prompt_len: int | None = bounded(None, 1)  # longer prompts are dropped together with their rewards
+    max_gen_length: int | None = bounded(None, 1)  # response truncation (tokens)
+    # padded_length: 1 / L1 per row (reference block models); row_mean: mean over the row's trained tokens
+    # (reference Dream/LLaDA); token_mean: mean over all trained tokens of the batch.
+    loss_norm: Literal["padded_length", "row_mean", "token_mean"] = "padded_length"
+    lower_p: float = bounded(0.1, 0.0, 1.0)  # random / coupled masking ratio range
+    upper_p: float = bounded(0.9, 0.0, 1.0)
+    # per_sequence: one ratio t ~ U(lower_p, upper_p) per row; per_position: the reference's draw (a ratio per
+    # position, marginally Bernoulli((lower_p + upper_p) / 2)).
+    random_mask_mode: Literal["per_sequence", "per_position"] = "per_sequence"
+    mask_times_per_sample: int = bounded(1, 1)  # random/coupled draws per sample (reference Dream/LLaDA: 35)
+
+    def validate(self) -> None:
+        super().validate()
+        method = _METHOD_NAMES.get(str(self.method).lower())
+        if method is None:
+            raise SettingError("method", f"method must be one of TraceRL, random_masking, coupled, got {self.method!r}")
+        self.method = method
+        if self.lower_p > self.upper_p:
+            raise SettingError("lower_p", f"lower_p ({self.lower_p}) exceeds upper_p ({self.upper_p})")
+
+
+@dataclass
+class LossConfig(Settings):
+    """The clipped policy-gradient loss (train/loss.py)."""
+
+    eps: float = bounded(0.2, 0.0)  # PPO clip
+    eps_high: float | None = bounded(None, 0.0)  # asymmetric upper clip (null = eps)
+    beta: float = bounded(0.0, 0.0)  # KL to the old (rollout-step) policy; the reference configs use 0.01
+    ref_beta: float = bounded(0.0, 0.0)  # KL to a frozen reference model (0 = no reference model is loaded)
+    use_kl_estimator_k3: bool = True
+
+
+@dataclass
+class TrainerSettings(Seeded):
+    """The optimisation loop shared by every trainer."""
+
+    gradient_checkpointing_enable: bool = False
+    gradient_accumulation_steps: int = bounded(1, 1)  # configures accelerate / DeepSpeed; divided exactly once
+    batch_size_lm: int = bounded(1, 1)  # rows per forward (per process)
+    samples_per_step: int | None = bounded(None, 1)  # samples per optimiser step and process (null = all)
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    enable_tf32: bool = True  # TF32 matmuls on CUDA
+    num_train_epochs: int = bounded(1, 1)  # passes over one RL step's rows
+    max_grad_norm: float = bounded(1.0, 0.0)  # 0 = no clipping
+    shuffle: bool = True  # rows in a seeded random order (the reference keeps file order)
+    logits_chunk_size: int = bounded(128, 1)  # trained positions per LM-head chunk
+
+
+@dataclass
+class RLTrainingConfig(TrainerSettings, ViewConfig, LossConfig):
+    """The ``training`` section of RL jobs."""
+
+    # "sampler": the log-probs recorded at rollout (exact views only); "recompute": a no-grad forward before any
+    # update (the reference's way; inexact views always recompute).
+    old_logp: Literal["sampler", "recompute"] = "sampler"
+    check_sampler_logp: bool = False  # also recompute in "sampler" mode, to log the max |difference|
+
+
+@dataclass
+class OptimizerParams(Settings):
+    """AdamW hyper-parameters (``optimizer.params``)."""
+
+    learning_rate: float = bounded(1e-6, 0.0)
+    beta1: float = bounded(0.9, 0.0, 1.0)
+    beta2: float = bounded(0.999, 0.0, 1.0)
+    weight_decay: float = bounded(0.0, 0.0)
+    epsilon: float = bounded(1e-8, 0.0)
+
+
+@dataclass
+class OptimizerConfig(Settings):
+    """The ``optimizer`` section (AdamW only)."""
+
+    name: Literal["adamw"] = "adamw"
+    params: OptimizerParams = field(default_factory=OptimizerParams)
+
+
+@dataclass
+class LRSchedulerParams(Settings):
+    warmup_steps: int = bounded(0, 0)
+    # A real floor: the LR never drops below min_lr_scale * lr, so 1.0 keeps it constant.
+    min_lr_scale: float = bounded(0.0, 0.0, 1.0)
+
+
+@dataclass
+class LRSchedulerConfig(Settings):
+    """The ``lr_scheduler`` section: the schedule over the optimiser steps of the whole run."""
+
+    scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
+    params: LRSchedulerParams = field(default_factory=LRSchedulerParams)
