@@ -15,10 +15,11 @@ import torch
 from core.config import DEMO_MODEL_DIRS, config_text
 from core.files import StagedRun, write_atomic
 from core.loader import ConfigError
+from jobs.dist import gather_objects, is_main, rank_world
 from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded
 from models.registry import ModelLoadError, load_model
 from sample.get_trace_viewer import build_trace_html
-from sample.trajectory import write_jsonl
+from sample.trajectory import Trajectory, write_jsonl
 
 TRACE_SAMPLES = 16
 
@@ -52,10 +53,29 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def sample_scored(adapter: Any, tasks: list[dict], data_type: str, params: Any, execute: Any, seed: int | None,
+                  accelerator: Any = None, progress: bool = True, **score_kw: Any) -> tuple[list[Trajectory], dict]:
+    """Sample and score every task, each process its share of the tasks (whole prompt groups); returns all
+    trajectories in task order (on every process) and the summed sampling stats."""
+    rank, world = rank_world(accelerator)
+    mine = list(range(rank, len(tasks), world))
+    run_seed = None if seed is None else seed + 1_000_003 * rank
+    rollout = rollout_tasks(adapter, tasks, data_type, seeded(params, run_seed), indices=mine, progress=progress)
+    score_rollout(rollout, tasks, data_type, execute=execute, progress=progress, **score_kw)
+    trajs = gather_objects(accelerator, list(rollout))
+    trajs.sort(key=lambda t: (t.task_index, int(t.sample_id.rpartition("-")[2])))
+    stats = gather_objects(accelerator, [rollout.stats.as_dict()])
+    total = {k: sum(s[k] for s in stats) for k in ("forwards", "denoise_forwards", "generated_tokens")}
+    total["wall_time"] = max(s["wall_time"] for s in stats)
+    total["tokens_per_second"] = total["generated_tokens"] / total["wall_time"] if total["wall_time"] > 0 else 0.0
+    total["tokens_per_forward"] = total["generated_tokens"] / total["forwards"] if total["forwards"] else 0.0
+    return trajs, total
+
+
 def evaluate(adapter: Any, tasks: list[dict], data_type: str, rollout_cfg: Any, execute: Any, seed: int | None,
-             out_dir: Path | None, name: str, progress: bool = True, trace: bool = True) -> list[dict]:
-    """One metrics dict per sampler setting of ``rollout_cfg.runs()`` (trajectories and trace written to
-    ``out_dir`` when given)."""
+             out_dir: Path | None, name: str, accelerator: Any = None, progress: bool = True) -> list[dict]:
+    """One metrics dict per sampler setting of ``rollout_cfg.runs()``; trajectories and a trace page are written
+    to ``out_dir`` (main process) when given."""
     runs = rollout_cfg.runs()
     for params in runs:
         check_for_model("rollout", params, adapter)
@@ -64,26 +84,25 @@ def evaluate(adapter: Any, tasks: list[dict], data_type: str, rollout_cfg: Any, 
     results = []
     for i, params in enumerate(runs):
         start = time.perf_counter()
-        rollout = rollout_tasks(adapter, tasks, data_type, seeded(params, seed), progress=progress)
-        scores = score_rollout(rollout, tasks, data_type, execute=execute)
+        trajs, stats = sample_scored(adapter, tasks, data_type, params, execute, seed, accelerator, progress)
         tag = f"{stem}" if len(runs) == 1 else f"{stem}-{i}"
         setting = {"remasking_strategy": params.remasking_strategy, "top_k": params.top_k,
                    "block_size": params.block_size}
-        metrics = {"dataset": name, "setting": setting, "tasks": len(tasks), "responses": len(rollout),
+        metrics = {"dataset": name, "setting": setting, "tasks": len(tasks), "responses": len(trajs),
                    # acc = mean over all responses (not pass@k), as the reference reports it; code: all tests pass
-                   "acc": sum(t.correct for t in rollout) / max(len(rollout), 1),
-                   "mean_score": sum(scores) / max(len(scores), 1),
-                   "avg_length": sum(len(t.response_ids) for t in rollout) / max(len(rollout), 1),
-                   "finish_reasons": _count(t.finish_reason for t in rollout),
-                   "sampling": rollout.stats.as_dict(), "wall_s": time.perf_counter() - start}
+                   "acc": sum(t.correct for t in trajs) / max(len(trajs), 1),
+                   "mean_score": sum(t.score for t in trajs) / max(len(trajs), 1),
+                   "avg_length": sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1),
+                   "finish_reasons": _count(t.finish_reason for t in trajs),
+                   "sampling": stats, "wall_s": time.perf_counter() - start}
         for kk in rollout_cfg.pass_k:
-            correct = [sum(t.correct for t in rollout[j * k:(j + 1) * k]) for j in range(len(tasks))]
+            correct = [sum(t.correct for t in trajs[j * k:(j + 1) * k]) for j in range(len(tasks))]
             metrics[f"pass@{kk}"] = sum(pass_at_k(k, c, kk) for c in correct) / max(len(tasks), 1)
-        if out_dir is not None:
-            write_jsonl(rollout, out_dir / f"trajectories-{tag}.jsonl")  # whole records (step maps included)
-            if trace and rollout_cfg.output_unmasking_history:
+        if out_dir is not None and is_main(accelerator):
+            write_jsonl(trajs, out_dir / f"trajectories-{tag}.jsonl")  # whole records (step maps included)
+            if rollout_cfg.output_unmasking_history:
                 write_atomic(out_dir / f"trace-{tag}.html",
-                             build_trace_html(list(rollout[:TRACE_SAMPLES]), adapter.tokenizer))
+                             build_trace_html(list(trajs[:TRACE_SAMPLES]), adapter.tokenizer))
         results.append(metrics)
     return results
 
@@ -114,7 +133,7 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
             check_for_model("rollout", params, loaded.adapter)
         tasks = load_tasks(cfg.dataset.eval_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed)
         results = evaluate(loaded.adapter, tasks, cfg.dataset.data_type, cfg.rollout, cfg.execute,
-                           cfg.experiment.seed, run.dir, cfg.dataset.eval_dataset, progress)
+                           cfg.experiment.seed, run.dir, cfg.dataset.eval_dataset, progress=progress)
         for r in results:
             r["model"] = cfg.model.pretrained_model
         write_atomic(run.dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))

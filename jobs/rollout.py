@@ -45,31 +45,30 @@ def check_for_model(section: str, params: SamplingParams, adapter: Any) -> None:
         raise ConfigError(f"key '{section}.{err.field}': {err}", f"{section}.{err.field}") from None
 
 
-def rollout_tasks(adapter: Any, tasks: list[dict], data_type: str, params: Any, k: int | None = None,
-                  start_with_think: bool | None = None, progress: bool = True, task_offset: int = 0) -> Rollout:
-    """Sample ``k`` responses per task (default ``params.num_response_per_task``); sample ``i*k + j`` is
-    response j of task i, with ``task_index`` i + task_offset, ``group_id`` str(that) and ``sample_id``
-    "{group_id}-{j}"."""
-    k = int(k if k is not None else params.num_response_per_task)
-    think = params.start_with_think if start_with_think is None else start_with_think
-    prompts = [prompt_ids(adapter, row, data_type, think) for row in tasks]
-    flat = [p for p in prompts for _ in range(k)]
-    rollout = generate(adapter, flat, params, progress=progress)
+def rollout_tasks(adapter: Any, tasks: list[dict], data_type: str, params: Any, indices: list[int] | None = None,
+                  progress: bool = True) -> Rollout:
+    """Sample ``params.num_response_per_task`` responses to each task ``tasks[i]``, i in ``indices`` (default:
+    all, in order). Response j of task i has ``task_index`` i, ``group_id`` "i" and ``sample_id`` "i-j";
+    responses come in task order, a task's responses together."""
+    k = params.num_response_per_task
+    indices = list(range(len(tasks))) if indices is None else list(indices)
+    prompts = [prompt_ids(adapter, tasks[i], data_type, params.start_with_think) for i in indices]
+    rollout = generate(adapter, [p for p in prompts for _ in range(k)], params, progress=progress)
     for n, traj in enumerate(rollout):
-        traj.task_index = task_offset + n // k
+        traj.task_index = indices[n // k]
         traj.group_id, traj.sample_id = str(traj.task_index), f"{traj.task_index}-{n % k}"
     return rollout
 
 
-def score_rollout(rollout: Rollout, tasks: list[dict], data_type: str, max_tokens: int | None = None,
+def score_rollout(rollout: list, tasks: list[dict], data_type: str, max_tokens: int | None = None,
                   truncation_margin: int | None = None, execute: SandboxConfig | None = None,
-                  task_offset: int = 0) -> list[float]:
+                  progress: bool = True) -> list[float]:
     """Set and return every sample's score in [0, 1]: answer correctness (math/option) or the pass fraction of its
-    tests (code). The task of a sample is ``tasks[traj.task_index - task_offset]``.
+    tests (code), against ``tasks[traj.task_index]``.
 
     ``truncation_margin`` (RL only) marks responses within the margin of ``max_tokens`` as wrong.
     """
-    rows = [tasks[t.task_index - task_offset] for t in rollout]
+    rows = [tasks[t.task_index] for t in rollout]
     if data_type in ("math", "option"):
         lengths = [len(t.response_ids) for t in rollout]
         scores = score_math_batch([t.text for t in rollout], [r["ground_truth_answer"] for r in rows],
@@ -80,7 +79,7 @@ def score_rollout(rollout: Rollout, tasks: list[dict], data_type: str, max_token
         cfg = execute or SandboxConfig()
         jobs = [CodeJob.from_task(row, code_from_response(t.text, row.get("prefix", "")) or "", cfg.time_limit)
                 for t, row in zip(rollout, rows, strict=True)]
-        scores = [r.pass_fraction for r in run_many(jobs, config=cfg, progress=True)]
+        scores = [r.pass_fraction for r in run_many(jobs, config=cfg, progress=progress)] if jobs else []
     for traj, score in zip(rollout, scores, strict=True):
         traj.score = float(score)
     return scores

@@ -6,6 +6,8 @@ cache and gradient checkpointing are handled is written once here.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -102,3 +104,13 @@ class LMHeadMixin:
 
     def new_cache(self) -> KVCache:
         return self.backbone.new_cache()
+
+
+def full_weights(*params: torch.nn.Parameter):
+    """Context in which parameters partitioned by DeepSpeed ZeRO-3 are whole (a no-op otherwise): for weights
+    used outside their own module's forward, e.g. a tied embedding as the output projection."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(params))
+    return contextlib.nullcontext()

@@ -215,7 +215,7 @@ def load_model(cfg: Any, device: str | torch.device = "cpu") -> LoadedModel:
     overrides = {"attn_backend": get("attn_backend", "sdpa") or "sdpa"}
     tokenizer = load_tokenizer(get("tokenizer") or path)
     model = _from_pretrained(spec.model_class, path, dtype, overrides).to(device)
-    rows = model.get_input_embeddings().weight.shape[0]
+    rows = model.get_input_embeddings().num_embeddings  # (the weight may be partitioned by ZeRO-3)
     if len(tokenizer) > rows:
         raise ModelLoadError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
                              f"{rows} rows (a tokenizer of another model? set model.tokenizer)")

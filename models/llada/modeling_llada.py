@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from models.base import BackboneMixin, LMHeadMixin
+from models.base import BackboneMixin, LMHeadMixin, full_weights
 from models.common import RMSNorm, apply_rope, attend, init_linear_normal, merge_heads, split_heads
 from models.llada.configuration_llada import LLaDAConfig, MMadaConfig
 
@@ -93,9 +93,14 @@ class LLaDAModelLM(LMHeadMixin, LLaDAPreTrainedModel):
     backbone = property(lambda self: self.model)
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
+        """Logits of (a selection of) hidden states. Trainers call this outside ``forward``: the output
+        projection is called as a module (so ZeRO-3 gathers its partitioned weight); a tied embedding weight is
+        gathered explicitly."""
         t = self.model.transformer
-        weight = t["wte"].weight if self.config.weight_tying else t["ff_out"].weight
-        return F.linear(hidden, weight)[..., : self.config.vocab_size]
+        if not self.config.weight_tying:
+            return t["ff_out"](hidden)[..., : self.config.vocab_size]
+        with full_weights(t["wte"].weight):
+            return F.linear(hidden, t["wte"].weight)[..., : self.config.vocab_size]
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.transformer["wte"]

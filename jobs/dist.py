@@ -1,0 +1,29 @@
+"""Collectives the jobs need across processes (no-ops in a single process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rank_world(accelerator: Any) -> tuple[int, int]:
+    if accelerator is None:
+        return 0, 1
+    return accelerator.process_index, accelerator.num_processes
+
+
+def gather_objects(accelerator: Any, items: list) -> list:
+    """Every process's ``items`` concatenated in rank order, on every process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return list(items)
+    from accelerate.utils import gather_object
+
+    return list(gather_object(list(items)))
+
+
+def barrier(accelerator: Any) -> None:
+    if accelerator is not None and accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+
+
+def is_main(accelerator: Any) -> bool:
+    return accelerator is None or accelerator.is_main_process

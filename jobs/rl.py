@@ -1,0 +1,467 @@
+"""The RL loop behind ``rl.py``: sample, reward, train and evaluate in one process, one copy of the weights.
+
+Per step i: a seeded draw of ``rollout.num_task_per_step`` tasks; every process samples whole prompt groups (its
+share of the tasks) with the model it trains; rewards (math answers, or code through the sandbox), group
+z-scored advantages and filters; the policy update; evaluation every ``eval_every`` steps; a checkpoint every
+``save_every`` steps and at the end.
+
+Run directory ``{output_dir}/{project}/``::
+
+    config.yaml            the run's config (a resumed run must keep it, up to the step counts)
+    step_0/                evaluation of the starting model (when eval_every > 0)
+    step_<i>/              rollouts.jsonl (trajectories with scores and advantages), metrics.json,
+                           eval/ (results.jsonl, trajectories, trace page), ckpt/ (policy/ = HF weights,
+                           trainer/ = optimizer, RNG, schedule)
+    metrics.jsonl          one line per complete step (rebuilt from the step directories)
+    curves.png             reward, accuracy, evaluation accuracy, length, tokens per forward over the steps
+    ckpt/<optimized_name>  link to the newest policy checkpoint
+
+A step directory is written as ``step_<i>.partial`` and renamed when complete, so a killed run (SIGKILL
+included) leaves only complete steps and partial ones. Resuming (``experiment.start_from_scratch=false``)
+restarts from the newest complete step with a checkpoint; later steps are removed and redone. Every random draw
+is keyed by (seed, step), so the resumed run reproduces the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.config import config_text
+from core.files import RunDirError, write_atomic
+from core.schema import to_dict
+from jobs.dist import barrier, is_main
+from jobs.evaluate import default_device, ensure_demo_model, evaluate, pass_at_k, sample_scored
+from jobs.rollout import check_for_model, load_tasks
+from models.registry import load_model
+from reward.group import ScoredSample, group_advantages
+from sample.trajectory import Trajectory, write_jsonl
+from train.accelerator import build_accelerator
+from train.policy_trainer import PolicyTrainer
+
+STEP_PREFIX, PARTIAL = "step_", ".partial"
+# Keys that may change when a run is resumed (the rest must match the run's config.yaml).
+RESUMABLE_CHANGES = ("experiment.total_step", "experiment.start_from_scratch", "experiment.overwrite",
+                     "experiment.eval_every", "experiment.save_every")
+
+
+# ------------------------------------------------------------------------------------------ run directory
+
+
+class RunDir:
+    """Step directories of one run (see the module docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def step(self, i: int) -> Path:
+        return self.root / f"{STEP_PREFIX}{i}"
+
+    def complete_steps(self) -> list[int]:
+        out = []
+        for p in self.root.glob(f"{STEP_PREFIX}*"):
+            suffix = p.name[len(STEP_PREFIX):]
+            if suffix.isdigit() and (p / "metrics.json").is_file():
+                out.append(int(suffix))
+        return sorted(out)
+
+    def last_checkpoint(self) -> int | None:
+        ckpts = [i for i in self.complete_steps() if (self.step(i) / "ckpt" / "DONE").is_file()]
+        return max(ckpts, default=None)
+
+    def discard_after(self, i: int) -> None:
+        """Remove every step after ``i`` (complete or partial): they are redone."""
+        for p in self.root.glob(f"{STEP_PREFIX}*"):
+            n = p.name[len(STEP_PREFIX):].removesuffix(PARTIAL)
+            if n.isdigit() and (int(n) > i or p.name.endswith(PARTIAL)):
+                shutil.rmtree(p)
+
+    @contextmanager
+    def staging(self, i: int, main: bool) -> Iterator[Path]:
+        """Write step ``i`` into ``step_i.partial``; rename it when the block completes."""
+        partial = self.root / f"{STEP_PREFIX}{i}{PARTIAL}"
+        if main:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+        yield partial
+        if main:
+            os.replace(partial, self.step(i))
+
+    def metrics(self) -> list[dict]:
+        return [json.loads((self.step(i) / "metrics.json").read_text()) for i in self.complete_steps()]
+
+
+# ------------------------------------------------------------------------------------------ step
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, Any]
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+
+def draw_tasks(n_tasks: int, k: int, seed: int, step: int) -> list[int]:
+    """The task indices of RL step ``step``: ``k`` distinct tasks (all of them if fewer), seeded by (seed, step)."""
+    rng = random.Random(f"rl-tasks-{seed}-{step}")
+    return sorted(rng.sample(range(n_tasks), min(k, n_tasks)))
+
+
+def sampling_weights(trainer: PolicyTrainer):
+    """Context giving the sampler whole weights (ZeRO-3 partitions them; DDP and single process need nothing)."""
+    params = [p for p in trainer.adapter.model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
+class RLJob:
+    """State and stages of one RL run."""
+
+    def __init__(self, cfg: Any, progress: bool = True):
+        self.cfg, self.progress = cfg, progress
+        self.root = Path(cfg.experiment.output_dir) / cfg.experiment.project
+        self.run = RunDir(self.root)
+        self.timers: dict[str, float] = {}
+
+    # ------------------------------------------------------------ setup
+
+    def prepare(self) -> int:
+        """Check the run directory, build the model and trainer; returns the first step to run."""
+        cfg = self.cfg
+        cfg.system.apply()
+        t = cfg.training
+        self.acc = build_accelerator(mixed_precision=t.mixed_precision,
+                                     gradient_accumulation_steps=t.gradient_accumulation_steps,
+                                     micro_batch_size=t.batch_size_lm)
+        self.main = is_main(self.acc)
+        resume_from = self._check_run_dir()
+        if resume_from is None:
+            if self.main:
+                ensure_demo_model(cfg.model)
+            barrier(self.acc)
+        source = cfg.model.pretrained_model if resume_from is None else str(self._policy_dir(resume_from))
+        model_cfg = _with_path(cfg.model, source)
+        loaded = load_model(model_cfg, device=default_device())
+        self.adapter = loaded.adapter
+        check_for_model("rollout", cfg.rollout, self.adapter)
+        for params in cfg.evaluation.runs():
+            check_for_model("evaluation", params, self.adapter)
+        self.tasks = load_tasks(cfg.dataset.train_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed)
+        self.eval_tasks = []
+        if cfg.experiment.eval_every:
+            self.eval_tasks = load_tasks(cfg.evaluation.eval_dataset, cfg.evaluation.data_type,
+                                         seed=cfg.experiment.seed + 1)
+        self.trainer = PolicyTrainer(self.adapter, cfg.training, cfg.optimizer.params, cfg.lr_scheduler,
+                                     total_steps=self._optimizer_steps(), accelerator=self.acc)
+        if resume_from is not None:
+            self._load_trainer(self.run.step(resume_from) / "ckpt")
+        if self.main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.root / "config.yaml", config_text(cfg))
+        barrier(self.acc)
+        return 1 if resume_from is None else resume_from + 1
+
+    def _check_run_dir(self) -> int | None:
+        """None for a fresh run (the directory must be empty unless overwrite); else the step to resume from."""
+        exp = self.cfg.experiment
+        if exp.start_from_scratch:
+            if self.root.is_dir() and any(self.root.iterdir()):
+                if not exp.overwrite:
+                    raise RunDirError(f"run directory {self.root} is not empty; resume it with experiment."
+                                      "start_from_scratch=false, or replace it with experiment.overwrite=true")
+                if self.main:
+                    shutil.rmtree(self.root)
+                barrier(self.acc)
+            return None
+        last = self.run.last_checkpoint()
+        if last is None:
+            raise RunDirError(f"nothing to resume in {self.root}: no complete step with a checkpoint "
+                              "(start a new run with experiment.start_from_scratch=true)")
+        self._check_same_config()
+        if self.main:
+            self.run.discard_after(last)
+        barrier(self.acc)
+        return last
+
+    def _check_same_config(self) -> None:
+        import yaml
+
+        saved_path = self.root / "config.yaml"
+        if not saved_path.is_file():
+            return
+        saved, now = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(to_dict(self.cfg))
+        for key in sorted(set(saved) | set(now)):
+            if key not in RESUMABLE_CHANGES and saved.get(key) != now.get(key):
+                raise RunDirError(f"cannot resume {self.root}: '{key}' was {saved.get(key)!r} and is now "
+                                  f"{now.get(key)!r} (only {', '.join(RESUMABLE_CHANGES)} may change)")
+
+    def _optimizer_steps(self) -> int:
+        """Optimiser steps of the whole run (for decaying LR schedules): one per RL step unless samples_per_step
+        splits a step's samples."""
+        t = self.cfg.training
+        per_step = self.cfg.rollout.num_task_per_step * self.cfg.rollout.num_response_per_task
+        per_process = math.ceil(per_step / self.acc.num_processes)
+        splits = math.ceil(per_process / t.samples_per_step) if t.samples_per_step else 1
+        return self.cfg.experiment.total_step * splits * t.num_train_epochs
+
+    # ------------------------------------------------------------ the loop
+
+    def run_steps(self, first: int) -> list[dict]:
+        cfg = self.cfg
+        if first == 1 and cfg.experiment.eval_every:
+            with self.run.staging(0, self.main) as d:
+                metrics = {"step": 0, **self._evaluate(d)}
+                self._write_metrics(d, metrics)
+            self._after_step(metrics)
+        for step in range(first, cfg.experiment.total_step + 1):
+            with self.run.staging(step, self.main) as d:
+                metrics = self.one_step(step, d)
+            self._after_step(metrics)
+        return self.run.metrics() if self.main else []
+
+    def one_step(self, step: int, out: Path) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        self.step, self.timers = step, {}
+        trajs, stats = self._timed("sample", lambda: self._sample(step))
+        advantages, summary = self._timed("advantage", lambda: self._advantages(trajs))
+        kept = [t for t in trajs if t.sample_id in advantages]
+        train_metrics: list[dict] = []
+        if kept:
+            train_metrics = self._timed("train", lambda: self.trainer.train_step(kept, advantages))
+        else:
+            self.trainer.rl_step += 1  # keep the step-keyed random draws aligned with the step number
+        metrics = {"step": step, **_rollout_metrics(trajs, stats), **summary, **_train_summary(train_metrics)}
+        if cfg.experiment.eval_every and (step % cfg.experiment.eval_every == 0 or step == cfg.experiment.total_step):
+            metrics.update(self._timed("eval", lambda: self._evaluate(out)))
+        if step % cfg.experiment.save_every == 0 or step == cfg.experiment.total_step:
+            self._timed("save", lambda: self._save(out / "ckpt"))
+        metrics["seconds"] = {**self.timers, "total": time.perf_counter() - t0}
+        if self.main:
+            for traj in trajs:
+                traj.meta["advantage"] = advantages.get(traj.sample_id)
+            write_jsonl(trajs, out / "rollouts.jsonl")
+            self._write_metrics(out, metrics)
+        return metrics
+
+    def _timed(self, name: str, fn):
+        start = time.perf_counter()
+        out = fn()
+        self.timers[name] = self.timers.get(name, 0.0) + time.perf_counter() - start
+        return out
+
+    def _sample(self, step: int) -> tuple[list[Trajectory], dict]:
+        cfg = self.cfg
+        chosen = draw_tasks(len(self.tasks), cfg.rollout.num_task_per_step, cfg.experiment.seed, step)
+        subset = [self.tasks[i] for i in chosen]
+        with sampling_weights(self.trainer):
+            trajs, stats = sample_scored(self.adapter, subset, cfg.dataset.data_type, cfg.rollout, cfg.execute,
+                                         seed=cfg.experiment.seed * 100_003 + step, accelerator=self.acc,
+                                         progress=self.progress, max_tokens=cfg.rollout.max_tokens,
+                                         truncation_margin=cfg.reward.truncation_margin)
+        for t in trajs:  # ids name the dataset row, not the position in this step's subset
+            t.task_index = chosen[t.task_index]
+            t.group_id, t.sample_id = str(t.task_index), f"{t.task_index}-{t.sample_id.rpartition('-')[2]}"
+        return trajs, stats
+
+    def _advantages(self, trajs: list[Trajectory]) -> tuple[dict[str, float], dict]:
+        r = self.cfg.reward
+        band = (r.acc_low, r.acc_high) if self.cfg.dataset.data_type != "code" else None
+        result = group_advantages([ScoredSample(t.sample_id, t.group_id, t.score, t.correct) for t in trajs],
+                                  acc_band=band, drop_all_equal=r.filter_all_equal)
+        s = result.summary
+        return result.advantages, {"kept": s["kept"], "dropped": s["dropped"], "dropped_by": s["dropped_by_reason"]}
+
+    def _evaluate(self, out: Path) -> dict:
+        cfg = self.cfg
+        ev = cfg.evaluation
+        with sampling_weights(self.trainer):
+            results = evaluate(self.adapter, self.eval_tasks, ev.data_type, ev, cfg.execute, cfg.experiment.seed,
+                               out / "eval", ev.eval_dataset, accelerator=self.acc, progress=self.progress)
+        if self.main:
+            write_atomic(out / "eval" / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
+        return {"eval_acc": results[0]["acc"], "eval": [{**r["setting"], "acc": r["acc"],
+                                                          "avg_length": r["avg_length"],
+                                                          "tokens_per_forward": r["sampling"]["tokens_per_forward"]}
+                                                         for r in results]}
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _policy_dir(self, step: int) -> Path:
+        return self.run.step(step) / "ckpt" / "policy"
+
+    def _save(self, ckpt: Path) -> None:
+        acc, model = self.acc, self.trainer.model
+        state = acc.get_state_dict(model)  # whole 16-bit weights under ZeRO-3 (collective)
+        if self.main:
+            acc.unwrap_model(model).save_pretrained(ckpt / "policy", state_dict=state, safe_serialization=True)
+            self.adapter.tokenizer.save_pretrained(ckpt / "policy")
+        acc.save_state(str(ckpt / "trainer"))  # optimizer (sharded under ZeRO), RNG states
+        if self.main:
+            write_atomic(ckpt / "trainer" / "loop.json", json.dumps({
+                "rl_step": self.trainer.rl_step, "schedule": self.trainer.schedule.state_dict()}))
+            write_atomic(ckpt / "DONE", "")
+        barrier(acc)
+
+    def _load_trainer(self, ckpt: Path) -> None:
+        self.acc.load_state(str(ckpt / "trainer"))
+        loop = json.loads((ckpt / "trainer" / "loop.json").read_text())
+        self.trainer.rl_step = int(loop["rl_step"])
+        self.trainer.schedule.load_state_dict(loop["schedule"])
+
+    # ------------------------------------------------------------ outputs
+
+    def _write_metrics(self, out: Path, metrics: dict) -> None:
+        if self.main:
+            write_atomic(out / "metrics.json", json.dumps(metrics))
+
+    def _after_step(self, metrics: dict) -> None:
+        barrier(self.acc)
+        if not self.main:
+            return
+        history = self.run.metrics()
+        write_atomic(self.root / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in history))
+        _plot_curves(history, self.root / "curves.png")
+        step = metrics["step"]
+        if (self.run.step(step) / "ckpt" / "DONE").is_file():
+            _link(self.root / "ckpt" / self.cfg.model.optimized_name, self._policy_dir(step))
+        print(format_line(metrics, self.cfg.experiment.total_step), flush=True)
+
+
+def run_rl(cfg: Any, progress: bool = True) -> list[dict]:
+    """rl.py: run (or resume) the RL loop; returns the metrics of every complete step (main process)."""
+    job = RLJob(cfg, progress)
+    first = job.prepare()
+    if job.main:
+        print(f"run directory: {job.root}  (steps {first}..{cfg.experiment.total_step}, "
+              f"{job.acc.num_processes} process(es), {describe_sandbox(cfg)})", flush=True)
+    return job.run_steps(first)
+
+
+def describe_sandbox(cfg: Any) -> str:
+    if cfg.dataset.data_type != "code" and cfg.evaluation.data_type != "code":
+        return "no code execution"
+    from reward import sandbox
+
+    describe = getattr(sandbox, "describe_sandbox", None)
+    return describe() if describe else f"sandbox: {sandbox.sandbox_capabilities()}"
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+
+def _rollout_metrics(trajs: list[Trajectory], stats: dict) -> dict:
+    n = max(len(trajs), 1)
+    correct = [t.correct for t in trajs]
+    groups: dict[str, list[bool]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t.correct)
+    k = max((len(g) for g in groups.values()), default=1)
+    sampled_logp = [lp for t in trajs for lp in t.logprobs]
+    return {
+        "reward": sum(t.score for t in trajs) / n,
+        "acc": sum(correct) / n,
+        f"pass@{k}": sum(pass_at_k(len(g), sum(g), len(g)) for g in groups.values()) / max(len(groups), 1),
+        "response_length": sum(len(t.response_ids) for t in trajs) / n,
+        "tokens_per_forward": stats["tokens_per_forward"],
+        "tokens_per_second": stats["tokens_per_second"],
+        # mean -log p of the sampled tokens: an estimate of the policy's entropy on its own samples
+        "entropy": -sum(sampled_logp) / max(len(sampled_logp), 1),
+        "samples": len(trajs),
+    }
+
+
+def _train_summary(step_metrics: list[dict]) -> dict:
+    if not step_metrics:
+        return {"optimizer_steps": 0}
+    last = step_metrics[-1]
+    keys = ("loss", "policy_loss", "kl_loss", "approx_kl", "clip_frac", "ratio_mean", "grad_norm", "lr")
+    out = {k: sum(m[k] for m in step_metrics if k in m) / len(step_metrics) for k in keys if k in last}
+    out["optimizer_steps"] = len(step_metrics)
+    if "sampler_logp_max_abs_diff" in last:
+        out["sampler_logp_max_abs_diff"] = last["sampler_logp_max_abs_diff"]
+    return out
+
+
+def format_line(m: dict, total: int) -> str:
+    """The one line printed per step."""
+    step = m["step"]
+    parts = [f"step {step}/{total}"]
+    if "reward" in m:
+        parts += [f"reward {m['reward']:.3f}", f"acc {m['acc']:.3f}", f"len {m['response_length']:.1f}",
+                  f"tok/fwd {m['tokens_per_forward']:.2f}", f"kept {m['kept']}/{m['samples']}"]
+        if "approx_kl" in m:
+            parts += [f"kl {m['approx_kl']:.4f}", f"clip {m['clip_frac']:.3f}"]
+        parts.append(f"ent {m['entropy']:.2f}")
+    if "eval_acc" in m:
+        parts.append(f"eval_acc {m['eval_acc']:.3f}")
+    secs = m.get("seconds", {})
+    if secs:
+        parts.append("| " + " ".join(f"{k} {v:.1f}s" for k, v in secs.items()))
+    return "  ".join(parts)
+
+
+def _plot_curves(history: list[dict], path: Path) -> None:
+    """A PNG of the main curves (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward", "reward"), ("acc", "train accuracy"), ("eval_acc", "eval accuracy"),
+              ("response_length", "response length"), ("tokens_per_forward", "tokens / forward"),
+              ("approx_kl", "KL (old || new)")]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    for ax, (key, title) in zip(axes.flat, panels, strict=True):
+        pts = [(m["step"], m[key]) for m in history if key in m]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _with_path(model_cfg: Any, path: str) -> Any:
+    from core.schema import replace
+
+    return replace(model_cfg, pretrained_model=path)
+
+
+def _link(link: Path, target: Path) -> None:
+    """Point ``link`` at ``target`` atomically (relative symlink)."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(os.path.relpath(target, link.parent))
+    os.replace(tmp, link)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+

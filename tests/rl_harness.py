@@ -1,0 +1,83 @@
+"""Runs rl.py in this process with a deterministic stand-in reward, for the RL-loop tests.
+
+Tiny random models never answer arithmetic correctly, so every group would be filtered and nothing trained. The
+stand-in scores a response by the parity of its token-id sum: varied within a group, deterministic, and a real
+function of what was sampled. ``RL_HARNESS_KILL=stage:step`` SIGKILLs the process inside that stage of that step
+(stages: sample, train, save), to test resuming.
+
+    python tests/rl_harness.py config=configs/demo/rl_demo.yaml [key=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parity_score(rollout, tasks, data_type, **_):
+    scores = [float(sum(t.response_ids) % 2) for t in rollout]
+    for t, s in zip(rollout, scores, strict=True):
+        t.score = s
+    return scores
+
+
+def install(kill: str | None = None, patch=setattr) -> None:
+    """Swap in the stand-in reward (``patch`` = pytest's monkeypatch.setattr in-process, so it is undone)."""
+    import jobs.evaluate
+    import jobs.rl
+
+    patch(jobs.evaluate, "score_rollout", parity_score)
+    if not kill:
+        return
+    stage, step = kill.split(":")
+    timed, save = jobs.rl.RLJob._timed, jobs.rl.RLJob._save
+
+    def killing_timed(self, name, fn):
+        if name == stage and self.step == int(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return timed(self, name, fn)
+
+    def killing_save(self, ckpt):  # dies after the policy weights are written, before the checkpoint is complete
+        if stage == "save" and self.step == int(step):
+            acc, model = self.acc, self.trainer.model
+            acc.unwrap_model(model).save_pretrained(ckpt / "policy")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(self, ckpt)
+
+    jobs.rl.RLJob._timed, jobs.rl.RLJob._save = killing_timed, killing_save
+
+
+def dump_weights_at_end(path: str) -> None:
+    """After the run, every rank writes a digest of its whole weights to ``path.<rank>.json``."""
+    import hashlib
+    import json
+
+    import jobs.rl
+
+    run_steps = jobs.rl.RLJob.run_steps
+
+    def run_and_dump(self, first):
+        out = run_steps(self, first)
+        with jobs.rl.sampling_weights(self.trainer):
+            digest = hashlib.sha256()
+            for name, p in sorted(self.adapter.model.named_parameters()):
+                digest.update(name.encode() + p.detach().float().cpu().numpy().tobytes())
+        Path(f"{path}.{self.acc.process_index}.json").write_text(json.dumps(
+            {"digest": digest.hexdigest(), "num_processes": self.acc.num_processes,
+             "distributed_type": str(self.acc.distributed_type)}))
+        return out
+
+    jobs.rl.RLJob.run_steps = run_and_dump
+
+
+if __name__ == "__main__":
+    install(os.environ.get("RL_HARNESS_KILL"))
+    if os.environ.get("RL_HARNESS_DUMP"):
+        dump_weights_at_end(os.environ["RL_HARNESS_DUMP"])
+    import rl
+
+    raise SystemExit(rl.main(sys.argv[1:]))

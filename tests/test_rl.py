@@ -1,0 +1,159 @@
+"""The RL loop (rl.py): steps that train and write complete step directories, resume after SIGKILL, code RL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core.config import load_config
+from models.tiny import save_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "tests" / "rl_harness.py"
+
+
+def demo_args(out: Path, model: Path, base: str = "sdar", **over) -> list[str]:
+    args = {"experiment.output_dir": out, "experiment.project": "run", "model.pretrained_model": model,
+            "model.model_base": base, "experiment.total_step": 3, "experiment.save_every": 1,
+            "experiment.eval_every": 0, "rollout.num_task_per_step": 3, "rollout.num_response_per_task": 4,
+            "rollout.max_token": 8, "reward.acc_low": 0.0, "reward.acc_high": 1.0, "training.batch_size_lm": 4,
+            "optimizer.params.learning_rate": 1e-2, "evaluation.num_response_per_task": 1,
+            "evaluation.max_token": 8}
+    args.update(over)
+    return ["config=configs/demo/rl_demo.yaml", *(f"{k}={v}" for k, v in args.items())]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, demo_tokenizer):
+    base = tmp_path_factory.mktemp("rl_ckpts")
+    return {m: save_tiny_checkpoint(base / m, m, demo_tokenizer, size="test") for m in ("sdar", "llada")}
+
+
+def weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(step_dir / "ckpt" / "policy" / "model.safetensors"))
+
+
+def comparable(metrics: list[dict]) -> list[dict]:
+    """Step metrics without wall-clock measurements."""
+    return [{k: v for k, v in m.items() if k not in ("seconds", "tokens_per_second")} for m in metrics]
+
+
+@pytest.mark.parametrize("base", ["sdar", "llada"])
+def test_two_rl_steps_train_and_write_step_directories(tmp_path, ckpts, base, monkeypatch):
+    from tests import rl_harness
+
+    rl_harness.install(patch=monkeypatch.setattr)
+    from jobs.rl import run_rl
+
+    cfg = load_config(demo_args(tmp_path, ckpts[base], base, **{"experiment.total_step": 2,
+                                                               "experiment.eval_every": 2}), "rl")
+    history = run_rl(cfg, progress=False)
+    run = tmp_path / "run"
+    assert [m["step"] for m in history] == [0, 1, 2]
+    for step in (1, 2):
+        d = run / f"step_{step}"
+        rollouts = [json.loads(line) for line in (d / "rollouts.jsonl").read_text().splitlines()]
+        assert len(rollouts) == 12 and {r["group_id"] for r in rollouts} == {str(r["task_index"]) for r in rollouts}
+        assert all(r["score"] == float(sum(r["response_ids"]) % 2) for r in rollouts)  # reward on its own sample
+        m = json.loads((d / "metrics.json").read_text())
+        assert m["optimizer_steps"] >= 1 and m["kept"] > 0 and (d / "ckpt" / "DONE").is_file()
+    start = load_file(str(ckpts[base] / "model.safetensors"))
+    end = weights(run / "step_2")
+    assert max(float((start[k].float() - end[k].float()).abs().max()) for k in start) > 1e-4
+    assert (run / "step_2" / "eval" / "results.jsonl").is_file() and (run / "curves.png").stat().st_size > 0
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+    assert os.path.realpath(run / "ckpt" / "optimized") == os.path.realpath(run / "step_2" / "ckpt" / "policy")
+
+
+def _harness(args: list[str], kill: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RL_HARNESS"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if kill:
+        env["RL_HARNESS_KILL"] = kill
+    return subprocess.run([sys.executable, str(HARNESS), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, ckpts):
+    whole = tmp_path / "whole"
+    proc = _harness(demo_args(whole, ckpts["sdar"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = comparable([json.loads(x) for x in (whole / "run" / "metrics.jsonl").read_text().splitlines()])
+    final = weights(whole / "run" / "step_3")
+    for kill in ("sample:2", "train:3", "save:2"):
+        out = tmp_path / kill.replace(":", "_")
+        killed = _harness(demo_args(out, ckpts["sdar"]), kill=kill)
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        assert not (out / "run" / f"step_{kill.split(':')[1]}").exists()  # the step in progress is only partial
+        (out / "run" / "step_9.partial").mkdir()  # a corrupt leftover is discarded too
+        resumed = _harness(demo_args(out, ckpts["sdar"], **{"experiment.start_from_scratch": "false"}))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        got = comparable([json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()])
+        assert [m["step"] for m in got] == [1, 2, 3] and got == reference, kill
+        assert all(torch.equal(final[k], v) for k, v in weights(out / "run" / "step_3").items()), kill
+        assert not list((out / "run").glob("*.partial"))
+
+
+def test_resume_refuses_a_changed_config_and_fresh_run_refuses_a_used_dir(tmp_path, ckpts, monkeypatch):
+    from tests import rl_harness
+
+    rl_harness.install(patch=monkeypatch.setattr)
+    from core.files import RunDirError
+    from jobs.rl import run_rl
+
+    run_rl(load_config(demo_args(tmp_path, ckpts["sdar"], **{"experiment.total_step": 1}), "rl"), progress=False)
+    with pytest.raises(RunDirError, match="not empty"):
+        run_rl(load_config(demo_args(tmp_path, ckpts["sdar"]), "rl"), progress=False)
+    changed = demo_args(tmp_path, ckpts["sdar"], **{"experiment.start_from_scratch": "false",
+                                                    "rollout.temperature": 0.5})
+    with pytest.raises(RunDirError, match="temperature. was 1.0 and is now 0.5"):
+        run_rl(load_config(changed, "rl"), progress=False)
+
+
+def test_code_rl_step_through_the_sandbox(tmp_path, ckpts):
+    from jobs.rl import run_rl
+
+    cfg = load_config(demo_args(tmp_path, ckpts["sdar"], **{
+        "experiment.total_step": 1, "dataset.train_dataset": "builtin:code", "dataset.data_type": "code",
+        "rollout.num_task_per_step": 2, "rollout.num_response_per_task": 2, "execute.num_chunk": 2,
+        "reward.filter_all_equal": "false", "training.max_prompt_len": 512}), "rl")
+    history = run_rl(cfg, progress=False)
+    rollouts = [json.loads(x) for x in (tmp_path / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 4 and all(r["score"] == 0.0 for r in rollouts)  # a random model writes no program
+    assert history[-1]["optimizer_steps"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "base", "kind"), [("cpu_ddp_2proc.yaml", "sdar", "MULTI_CPU"),
+                                                     ("cpu_zero3_2proc.yaml", "sdar", "DEEPSPEED"),
+                                                     ("cpu_zero3_2proc.yaml", "llada", "DEEPSPEED")])
+def test_two_process_rl_keeps_ranks_identical(tmp_path, ckpts, config, base, kind):
+    from tests.test_train_distributed import _free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RL_HARNESS"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RL_HARNESS_DUMP=str(tmp_path / "w"))
+    args = demo_args(tmp_path, ckpts[base], base, **{"experiment.total_step": 2, "experiment.save_every": 2,
+                                                     "experiment.eval_every": 2, "rollout.num_task_per_step": 4})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()), str(HARNESS), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["num_processes"] == 2 and r["distributed_type"] == f"DistributedType.{kind}" for r in ranks)
+    assert ranks[0]["digest"] == ranks[1]["digest"]
+    run = tmp_path / "run"
+    rollouts = [json.loads(x) for x in (run / "step_2" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 16 and len({r["sample_id"] for r in rollouts}) == 16  # both ranks' groups, once each
+    assert all(r["score"] == float(sum(r["response_ids"]) % 2) for r in rollouts)
+    start = load_file(str(ckpts[base] / "model.safetensors"))
+    end = weights(run / "step_2")
+    assert max(float((start[k].float() - end[k].float()).abs().max()) for k in start) > 1e-4
