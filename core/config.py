@@ -109,6 +109,28 @@ class RLDatasetConfig(Settings):
     data_type: DataType = "math"
 
 
+def model_positions(pretrained_model: str) -> int | None:
+    """The checkpoint's position limit read from its config.json (cheap: no model is loaded), or None."""
+    import json
+
+    try:
+        cfg = json.loads((Path(pretrained_model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    limit = cfg.get("max_position_embeddings") or cfg.get("max_sequence_length")
+    return int(limit) if isinstance(limit, int) else None
+
+
+def check_block_sizes(model: Any, sections: dict[str, Any]) -> None:
+    """A sampling block must fit the checkpoint's positions (checked at load when the checkpoint exists)."""
+    limit = model_positions(model.pretrained_model)
+    for key, section in sections.items():
+        for params in section.runs() if hasattr(section, "runs") else [section]:
+            if limit is not None and params.block_size is not None and params.block_size > limit:
+                raise SettingError(f"{key}.block_size", f"block_size ({params.block_size}) exceeds the "
+                                                        f"{limit} positions of {model.pretrained_model}")
+
+
 def check_builtin_type(dataset: str, data_type: str, key: str) -> None:
     kind = BUILTIN_DATA_TYPES.get(dataset)
     if kind is not None and kind != data_type:
@@ -245,6 +267,7 @@ class EvalConfig(Settings):
     def validate(self) -> None:
         super().validate()
         check_builtin_type(self.dataset.eval_dataset, self.dataset.data_type, "dataset.data_type")
+        check_block_sizes(self.model, {"rollout": self.rollout})
 
 
 @dataclass
@@ -267,6 +290,7 @@ class RLConfig(Settings):
     def validate(self) -> None:
         super().validate()
         check_builtin_type(self.dataset.train_dataset, self.dataset.data_type, "dataset.data_type")
+        check_block_sizes(self.model, {"rollout": self.rollout, "evaluation": self.evaluation})
 
 
 @dataclass

@@ -163,8 +163,14 @@ class RLJob:
         if cfg.experiment.eval_every:
             self.eval_tasks = load_tasks(cfg.evaluation.eval_dataset, cfg.evaluation.data_type,
                                          seed=cfg.experiment.seed + 1)
+        if cfg.optimizer.name != "adamw":  # the only optimizer (the reference's configs name it)
+            raise RunDirError(f"optimizer.name {cfg.optimizer.name!r} is not supported")
+        ref = None
+        if cfg.training.ref_beta > 0:  # a frozen copy of the starting policy for the reference KL
+            ref = load_model(_with_path(cfg.model, cfg.model.pretrained_model), device=default_device()).model
         self.trainer = PolicyTrainer(self.adapter, cfg.training, cfg.optimizer.params, cfg.lr_scheduler,
-                                     total_steps=self._optimizer_steps(), accelerator=self.acc)
+                                     total_steps=self._optimizer_steps(), accelerator=self.acc, ref_model=ref)
+        self.tracker = start_wandb(cfg) if self.main else None
         if resume_from is not None:
             self._load_trainer(self.run.step(resume_from) / "ckpt")
         if self.main:
@@ -333,6 +339,8 @@ class RLJob:
         history = self.run.metrics()
         write_atomic(self.root / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in history))
         _plot_curves(history, self.root / "curves.png")
+        if self.tracker is not None:
+            self.tracker.log(_scalars(metrics), step=metrics["step"])
         step = metrics["step"]
         if (self.run.step(step) / "ckpt" / "DONE").is_file():
             _link(self.root / "ckpt" / self.cfg.model.optimized_name, self._policy_dir(step))
@@ -346,7 +354,28 @@ def run_rl(cfg: Any, progress: bool = True) -> list[dict]:
     if job.main:
         print(f"run directory: {job.root}  (steps {first}..{cfg.experiment.total_step}, "
               f"{job.acc.num_processes} process(es), {describe_sandbox(cfg)})", flush=True)
-    return job.run_steps(first)
+    try:
+        return job.run_steps(first)
+    finally:
+        if job.tracker is not None:
+            job.tracker.finish()
+
+
+def start_wandb(cfg: Any) -> Any:
+    """A Weights & Biases run when ``wandb.enabled`` (metrics always go to metrics.jsonl as well)."""
+    w = cfg.wandb
+    if not w.enabled:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise RunDirError("wandb.enabled is true but wandb is not installed (pip install wandb)") from None
+    return wandb.init(project=cfg.experiment.project, entity=w.entity, resume=w.resume,
+                      dir=str(Path(cfg.experiment.output_dir) / cfg.experiment.project), config=to_dict(cfg))
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def describe_sandbox(cfg: Any) -> str:

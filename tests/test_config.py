@@ -278,3 +278,18 @@ def test_dataclass_replace_revalidates():
     params = SamplingParams()
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(params, top_p=0.0)
+
+
+def test_impossible_block_sizes_fail_at_load(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "sdar", "max_position_embeddings": 64}')
+    base = MINIMAL_RL.replace("some/model", str(ckpt))
+    path = _write(tmp_path, base)
+    assert "key 'rollout.block_size'" in _error([f"config={path}", "rollout.block_size=0"])
+    assert "key 'rollout.block_size'" in _error([f"config={path}", "rollout.block_size=-8"])
+    msg = _error([f"config={path}", "rollout.block_size=128"])
+    assert "key 'rollout.block_size': block_size (128) exceeds the 64 positions" in msg
+    msg = _error([f"config={path}", "evaluation.block_size=[4,128]", "evaluation.top_k=[0,1]"])
+    assert "key 'evaluation.block_size'" in msg
+    assert load_config([f"config={path}", "rollout.block_size=8"], "rl").rollout.block_size == 8

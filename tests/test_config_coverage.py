@@ -75,3 +75,66 @@ def test_rejected_keys_have_reasons(kind):
         assert reason and key not in keys
     for key, reason in NO_EFFECT.items():
         assert reason and key not in keys
+
+
+class _FakeWandb:
+    """Stands in for the wandb package: records what the job sends."""
+
+    def __init__(self):
+        self.inits, self.logs = [], []
+
+    def init(self, **kw):
+        self.inits.append(kw)
+        return self
+
+    def log(self, data, step=None):
+        self.logs.append((step, data))
+
+    def finish(self):
+        pass
+
+
+def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch):
+    import sys
+
+    import rl
+    from tests import rl_harness
+
+    monkeypatch.setattr("jobs.rollout.BUILTIN_SIZE", 6)
+    wandb = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    sdar = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    llada = save_tiny_checkpoint(tmp_path / "llada", "llada", demo_tokenizer, size="test")
+    common = ["config=configs/demo/rl_demo.yaml", f"experiment.output_dir={tmp_path / 'out'}",
+              "experiment.total_step=1", "experiment.eval_every=1", "rollout.num_task_per_step=2",
+              "rollout.num_response_per_task=2", "rollout.max_token=4", "evaluation.max_token=4",
+              "evaluation.num_response_per_task=2", "evaluation.pass_k=[2]", "reward.acc_low=0.0",
+              "training.max_prompt_len=512", "wandb.enabled=true", "wandb.entity=lab", f"system.base_dir={ROOT}"]
+    runs = [
+        [*common, f"model.pretrained_model={sdar}", "experiment.project=a", "training.ref_beta=0.1",
+         "training.check_sampler_logp=true", "training.eps_high=0.3", "training.samples_per_step=2",
+         "rollout.remasking_strategy=low_confidence_dynamic", "evaluation.top_k=[0,0]",
+         "evaluation.remasking_strategy=[entropy_bounded,low_confidence_dynamic]"],
+        [*common, f"model.pretrained_model={llada}", "model.model_base=llada", "experiment.project=b",
+         "training.method=random_masking", "training.old_logp=recompute", "rollout.block_size=2",
+         "rollout.steps=2", "evaluation.block_size=2", "evaluation.steps=2",
+         "rollout.remasking_strategy=entropy_bounded", "reward.filter_all_equal=false"],
+        [*common, f"model.pretrained_model={sdar}", "experiment.project=c", "dataset.train_dataset=builtin:code",
+         "dataset.data_type=code", "evaluation.eval_dataset=builtin:code", "evaluation.data_type=code",
+         "execute.num_chunk=2", "reward.filter_all_equal=false"],
+    ]
+    runs.append([*runs[0], "experiment.overwrite=true"])  # the same run directory again, replaced
+    reads: set[tuple[type, str]] = set()
+    for i, argv in enumerate(runs):
+        if i != 2:  # math runs: the stand-in reward varies within a group, so the update runs
+            rl_harness.install(patch=monkeypatch.setattr)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr("jobs.rollout.BUILTIN_SIZE", 6)
+            monkeypatch.setitem(sys.modules, "wandb", wandb)
+        with record_reads() as seen:
+            assert rl.main(argv) == 0
+        reads |= seen
+    missing = [key for key, (cls, name) in leaf_keys(SCHEMAS["rl"]).items() if not consumed(reads, cls, name)]
+    assert missing == [], missing
+    assert wandb.inits[0]["entity"] == "lab" and [s for s, _ in wandb.logs][:2] == [0, 1]

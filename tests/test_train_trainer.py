@@ -210,3 +210,24 @@ def test_reference_model_kl_term_in_trainer(tiny):
 def test_view_ids_follow_the_adapter(tiny):
     ids = ViewIds.from_adapter(tiny("dream"))
     assert ids.attention == "full" and ids.shift_logits and ids.block_size is None
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_round"])
+def test_larger_sampling_block_trains_on_its_own_blocks(tiny, demo_tokenizer, layout):
+    """A block-4 model sampled with block 8 (block-size adaptation): the views use 8-token blocks and reproduce the
+    sampler's log-probs exactly."""
+    adapter = tiny("sdar", seed=1)
+    assert adapter.block_size == 4
+    prompts = [demo_tokenizer.encode(p) for p in PROMPTS]  # P mod 8 = 2, 5, 6
+    trajs = sampled(adapter, prompts, max_tokens=21, block_size=8, denoising_steps=5,
+                    remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.05)
+    assert all(t.block_size == 8 for t in trajs)
+    trainer = make_trainer(adapter, view=ViewConfig(layout=layout))
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
+    blocks_of = {}  # a block of 8 absolute positions may hold tokens of up to 5 distinct steps
+    for t in trajs:
+        for i, step in enumerate(t.step_map):
+            blocks_of.setdefault((t.sample_id, (len(t.prompt_ids) + i) // 8), set()).add(step)
+    assert max(len(v) for v in blocks_of.values()) > 4  # impossible with 4-token blocks at one token per step
+    assert batch.exact and batch.num_tokens == sum(len(t.response_ids) for t in trajs)
+    torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)

@@ -211,6 +211,7 @@ class _Sample:
     adv: Tensor
     trainable: Tensor  # [L] bool, after post_num
     truncated: bool
+    block: int | None = None  # block size the sample was decoded with (block models)
 
 
 def prepare_samples(trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
@@ -238,9 +239,6 @@ def _drop_reason(traj: Trajectory, cfg: ViewConfig, ids: ViewIds) -> str:
         return f"prompt has {len(traj.prompt_ids)} tokens > max_prompt_len {cfg.max_prompt_len}"
     if not traj.response_ids:
         return "empty response"
-    if ids.attention == "block" and traj.block_size not in (None, ids.block_size):
-        raise ValueError(f"trajectory {traj.sample_id!r} was sampled with block size {traj.block_size}, "
-                         f"the model trains with {ids.block_size}")
     if min(traj.step_map + traj.tail_steps) < 1:
         raise ValueError(f"trajectory {traj.sample_id!r}: step ids must be >= 1 (1-based)")
     return ""
@@ -260,13 +258,16 @@ def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig
         tail_steps = torch.cat([steps[n:], tail_steps]) if keep_cut else tail_steps[:0]
         resp, steps, adv_t, logp = resp[:n], steps[:n], adv_t[:n], logp[:n]
     prompt = t["prompt_ids"]
-    if ids.attention == "block":  # the tail only matters inside the final response block
-        end = ((len(prompt) + n - 1) // ids.block_size + 1) * ids.block_size
+    # Block models train on the blocks the sample was decoded with (the sampling block size may differ from the
+    # model's own, e.g. when TraceRL adapts a block-4 model to block 8).
+    block = (traj.block_size or ids.block_size) if ids.attention == "block" else None
+    if block is not None:  # the tail only matters inside the final response block
+        end = ((len(prompt) + n - 1) // block + 1) * block
         keep = max(end - len(prompt) - n, 0)
         tail, tail_steps = tail[:keep], tail_steps[:keep]
     stop = traj.finish_reason in ("eos", "stop") and not truncated  # the sampler cut right after the stop token
     trainable = _trainable(resp, ids.pad_id, cfg.post_num, stop)
-    return _Sample(traj.sample_id, prompt, resp, steps, tail, tail_steps, logp, adv_t, trainable, truncated)
+    return _Sample(traj.sample_id, prompt, resp, steps, tail, tail_steps, logp, adv_t, trainable, truncated, block)
 
 
 def _advantage_vector(traj: Trajectory, adv: float | Sequence[float]) -> Tensor:
@@ -378,7 +379,7 @@ def _random_block_units(g: _BlockGeometry, cfg: ViewConfig, gen: torch.Generator
 
 
 def _block_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ViewIds, gen: torch.Generator) -> list[_Row]:
-    b = ids.block_size
+    b = s.block
     g = _block_geometry(s, b)
     units = (_tracerl_block_units(g, cfg.shrink) if cfg.method == "tracerl"
              else _random_block_units(g, cfg, gen)).nonempty()
