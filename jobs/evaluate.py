@@ -22,6 +22,7 @@ from sample.get_trace_viewer import build_trace_html
 from sample.trajectory import Trajectory, write_jsonl
 
 TRACE_SAMPLES = 16
+SFT_DEMO_DIR, SFT_DEMO_CONFIG = "runs/demo/sft_sdar", "configs/demo/sft_demo.yaml"
 
 
 def ensure_demo_model(model_cfg: Any) -> None:
@@ -35,6 +36,13 @@ def ensure_demo_model(model_cfg: Any) -> None:
     if path.as_posix().rstrip("/") not in DEMO_MODEL_DIRS:
         raise ModelLoadError(f"model path {str(path)!r} does not exist (model.init_tiny_if_missing only builds the "
                              f"demo's own paths: {', '.join(DEMO_MODEL_DIRS)})")
+    if path.as_posix().rstrip("/") == SFT_DEMO_DIR:
+        from core.config import load_config
+        from jobs.sft import run_sft
+
+        print(f"{path} is missing: training the demo's starting model with {SFT_DEMO_CONFIG} (runs once)", flush=True)
+        run_sft(load_config([f"config={SFT_DEMO_CONFIG}", "experiment.overwrite=true"], "sft"))
+        return
     from models.tiny import save_tiny_checkpoint
     from models.tokenizers import build_demo_tokenizer
 
