@@ -5,13 +5,16 @@ from __future__ import annotations
 import sys
 
 from core.config import load_config_or_exit
-from core.entry import run_job
+from core.entry import check_single_node, relaunch_if_requested, run_job
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = load_config_or_exit("eval", argv if argv is not None else sys.argv[1:])  # before torch is imported
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = load_config_or_exit("eval", argv)  # before torch is imported
 
     def job() -> None:
+        check_single_node(cfg, "eval.py")
+        relaunch_if_requested(cfg, "eval.py", argv)
         from jobs.evaluate import run_eval, summary_table
 
         results = run_eval(cfg)

@@ -48,15 +48,11 @@ class ExperimentConfig(Settings):
     project: str = required()  # default: the config file's stem; outputs go to {output_dir}/{project}/
     output_dir: str = "runs"
     seed: int = 10086  # task selection and sampling seed (the reference leaves rollouts unseeded)
-    num_node: int = bounded(1, 1)
-    node_index: int = bounded(0, 0)
+    num_node: int = bounded(1, 1)  # nodes of the launch; multinode_*.py checks it against the environment
     overwrite: bool = False  # reuse a non-empty output directory (its previous results are replaced)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.num_node != 1 or self.node_index != 0:
-            raise SettingError("num_node", "multi-node runs are not supported yet (num_node must be 1, "
-                                           "node_index 0)")
+    # accelerate_configs/{deepspeed_file}.yaml: the script relaunches itself under accelerate with it (multinode_*.py
+    # use it on every node); null = one process (multinode_*.py: ZeRO-3 for num_node nodes)
+    deepspeed_file: str | None = None
 
 
 @dataclass
@@ -68,8 +64,6 @@ class RLExperimentConfig(ExperimentConfig):
     save_every: int = bounded(10, 1)  # checkpoint every N steps (and at the end)
     eval_every: int = bounded(10, 0)  # 0 = no in-loop evaluation
     current_epoch: int = bounded(1, 1)  # the reference's resume knob; rl.py resumes from the run directory
-    # accelerate_configs/{deepspeed_file}.yaml: rl.py relaunches itself under accelerate with it; null = one process
-    deepspeed_file: str | None = None
 
     def validate(self) -> None:
         super().validate()

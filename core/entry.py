@@ -19,10 +19,48 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from core.files import RunDirError
     from core.loader import ConfigError
     from data.formats import DataFormatError
+    from jobs.cluster import ClusterError
     from models.registry import ModelLoadError
     from sample.strategies import DegenerateLogitsError
 
-    return (ConfigError, ModelLoadError, DataFormatError, RunDirError, FileNotFoundError, DegenerateLogitsError)
+    return (ConfigError, ModelLoadError, DataFormatError, RunDirError, FileNotFoundError, DegenerateLogitsError,
+            ClusterError)
+
+
+def launched() -> bool:
+    """True under a multi-process launcher (accelerate launch / torchrun set LOCAL_RANK and WORLD_SIZE)."""
+    import os
+
+    return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def check_single_node(cfg, script: str) -> None:
+    """A multi-node config must be started with the multinode script on every node."""
+    from core.loader import ConfigError
+
+    if cfg.experiment.num_node > 1 and not launched():
+        raise ConfigError(f"key 'experiment.num_node' is {cfg.experiment.num_node}: start multi-node runs with "
+                          f"`python multinode_{script} config=...` on every node", "experiment.num_node")
+
+
+def relaunch_if_requested(cfg, script: str, argv: list[str]) -> None:
+    """With ``experiment.deepspeed_file`` set and no launcher around us, exec ``accelerate launch`` of ``script``."""
+    import os
+    from pathlib import Path
+
+    if not cfg.experiment.deepspeed_file or launched():
+        return
+    from core.loader import ConfigError
+
+    root = Path(__file__).resolve().parents[1]
+    config = root / "accelerate_configs" / f"{cfg.experiment.deepspeed_file}.yaml"
+    if not config.is_file():
+        raise ConfigError(f"key 'experiment.deepspeed_file': {config} does not exist (choose a file of "
+                          f"{root / 'accelerate_configs'})", "experiment.deepspeed_file")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(root / script),
+           *argv]
+    print("launching: " + " ".join(cmd), flush=True)
+    os.execv(cmd[0], cmd)
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001

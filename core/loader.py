@@ -73,6 +73,7 @@ _RENAMED_SECTIONS = ("rollout", "evaluation")
 # load, with a printed notice saying why they have no effect.
 NO_EFFECT: dict[str, str] = {
     "experiment.function": "rl.py runs every stage in one process",
+    "experiment.node_index": "each node's rank comes from its environment (see multinode_rl.py)",
     "training.block_size": "training views use the block size each trajectory was sampled with (rollout.block_size)",
     "dataset.optimization_data": "rollouts stay in memory and are written to the step directory",
     "optimizer.params.scale_lr": "the reference never reads it",

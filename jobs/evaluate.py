@@ -15,7 +15,7 @@ import torch
 from core.config import DEMO_MODEL_DIRS, config_text
 from core.files import StagedRun, write_atomic
 from core.loader import ConfigError
-from jobs.dist import gather_objects, is_main, rank_world
+from jobs.dist import barrier, gather_objects, is_main, rank_world
 from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded
 from models.registry import ModelLoadError, load_model
 from sample.get_trace_viewer import build_trace_html
@@ -131,25 +131,43 @@ def summary_table(results: list[dict]) -> str:
 
 def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
     """eval.py: evaluate ``cfg.model`` on ``cfg.dataset.eval_dataset``; the run directory appears, complete,
-    only at the end (config.yaml and results.jsonl written together)."""
+    only at the end (config.yaml and results.jsonl written together). Under a multi-process launcher the tasks
+    are shared out by rank and the main process writes the results, in dataset order."""
+    from core.entry import launched
+
     cfg.system.apply()
-    run = StagedRun(Path(cfg.experiment.output_dir) / cfg.experiment.project, cfg.experiment.overwrite)
+    acc = None
+    if launched():
+        from train.accelerator import build_accelerator
+
+        acc = build_accelerator()
+    main = is_main(acc)
+    run = StagedRun(Path(cfg.experiment.output_dir) / cfg.experiment.project, cfg.experiment.overwrite) if main \
+        else None
     try:
-        ensure_demo_model(cfg.model)
-        loaded = load_model(cfg.model, device=default_device())
+        if main:
+            ensure_demo_model(cfg.model)
+        barrier(acc)
+        device = acc.device if acc is not None else default_device()
+        loaded = load_model(cfg.model, device=device)
         for params in cfg.rollout.runs():
             check_for_model("rollout", params, loaded.adapter)
         tasks = load_tasks(cfg.dataset.eval_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed)
         results = evaluate(loaded.adapter, tasks, cfg.dataset.data_type, cfg.rollout, cfg.execute,
-                           cfg.experiment.seed, run.dir, cfg.dataset.eval_dataset, progress=progress)
+                           cfg.experiment.seed, run.dir if run else None, cfg.dataset.eval_dataset,
+                           accelerator=acc, progress=progress and main)
         for r in results:
             r["model"] = cfg.model.pretrained_model
-        write_atomic(run.dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
-        write_atomic(run.dir / "config.yaml", config_text(cfg))
+        if run is not None:
+            write_atomic(run.dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
+            write_atomic(run.dir / "config.yaml", config_text(cfg))
     except BaseException as err:
-        run.abandon(_why(err))
+        if run is not None:
+            run.abandon(_why(err))
         raise
-    run.commit()
+    barrier(acc)
+    if run is not None:
+        run.commit()
     return results
 
 

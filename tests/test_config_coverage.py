@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import SCHEMAS, UNSUPPORTED, load_config
+from core.config import SCHEMAS, UNSUPPORTED
 from core.loader import NO_EFFECT
 from core.schema import config_fields, record_reads
 from models.tiny import save_tiny_checkpoint
@@ -54,14 +54,13 @@ def _eval_runs(tmp_path: Path, demo_tokenizer) -> list[list[str]]:
 
 
 def test_every_eval_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch):
-    from jobs import evaluate
+    import eval as eval_entry
 
     monkeypatch.setattr("jobs.rollout.BUILTIN_SIZE", 4)
     reads: set[tuple[type, str]] = set()
     for argv in _eval_runs(tmp_path, demo_tokenizer):
         with record_reads() as seen:
-            cfg = load_config(argv, "eval")
-            evaluate.run_eval(cfg, progress=False)
+            assert eval_entry.main(argv) == 0
         reads |= seen
     missing = [key for key, (cls, name) in leaf_keys(SCHEMAS["eval"]).items() if not consumed(reads, cls, name)]
     assert missing == []

@@ -87,7 +87,7 @@ def _cases(w: Path) -> list[tuple[str, list[str], str]]:
         ("paired lists", [f"config={DEMO}", "rollout.top_k=[0,1]", "rollout.remasking_strategy=[sequential]"],
          "rollout.remasking_strategy"),
         ("RL key in an eval job", [f"config={DEMO}", "rollout.num_task_per_step=3"], "rollout.num_task_per_step"),
-        ("multi-node", [f"config={DEMO}", "experiment.num_node=2"], "experiment.num_node"),
+        ("multi-node without the launcher", [f"config={DEMO}", "experiment.num_node=2"], "multinode_eval.py"),
         ("negative memory", [f"config={DEMO}", "execute.memory_mb=-5"], "execute.memory_mb"),
         # rules that need the model
         ("stop word of two tokens", [*run, "rollout.stop_token_list=[hello world]"], "rollout.stop"),

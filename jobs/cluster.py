@@ -1,0 +1,123 @@
+"""Multi-node launch: every node runs the same command; its rank, the node count and the master address come from
+the environment, and the job runs under ``accelerate launch`` with the matching multi-machine settings.
+
+Recognised environments (first complete one wins, checked in this order):
+* the reference's platform: ``MLP_ROLE_INDEX``, ``MLP_WORKER_NUM``, ``MLP_WORKER_0_HOST``, ``MLP_WORKER_0_PORT``;
+* torchrun style: ``NODE_RANK``, ``NNODES``, ``MASTER_ADDR``, ``MASTER_PORT``;
+* SLURM: ``SLURM_NODEID``, ``SLURM_NNODES``, the first host of ``SLURM_JOB_NODELIST`` (``MASTER_PORT`` or 29500).
+Processes per node: ``NPROC_PER_NODE`` (default: the accelerate config's processes / machines). No ssh, no root.
+Torch-free, so a bad environment is reported at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PORT = 29500
+
+
+class ClusterError(ValueError):
+    """The environment does not describe a consistent multi-node launch."""
+
+
+@dataclass(frozen=True)
+class NodeEnv:
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    source: str  # which variables described it
+
+
+_SCHEMES = (
+    ("MLP_*", ("MLP_ROLE_INDEX", "MLP_WORKER_NUM", "MLP_WORKER_0_HOST", "MLP_WORKER_0_PORT")),
+    ("torchrun", ("NODE_RANK", "NNODES", "MASTER_ADDR", "MASTER_PORT")),
+)
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[03-05,07],cpu1`` -> ``gpu03``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m or not m.group(1):
+        raise ClusterError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _int(env: dict[str, str], key: str, source: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ClusterError(f"{source}: {key}={env[key]!r} is not an integer") from None
+
+
+def node_env(env: dict[str, str] | None = None) -> NodeEnv:
+    """This node's place in the cluster, from the environment; a one-line ClusterError when incomplete."""
+    env = dict(os.environ if env is None else env)
+    for name, keys in _SCHEMES:
+        present = [k for k in keys if env.get(k)]
+        if not present:
+            continue
+        if len(present) < len(keys):
+            missing = [k for k in keys if not env.get(k)]
+            raise ClusterError(f"incomplete {name} environment: {', '.join(present)} set but {', '.join(missing)} "
+                               "missing")
+        rank, n = _int(env, keys[0], name), _int(env, keys[1], name)
+        return _checked(NodeEnv(rank, n, env[keys[2]], _int(env, keys[3], name), name))
+    if env.get("SLURM_NODEID") is not None and env.get("SLURM_NNODES"):
+        if not env.get("SLURM_JOB_NODELIST"):
+            raise ClusterError("incomplete SLURM environment: SLURM_JOB_NODELIST missing")
+        port = _int(env, "MASTER_PORT", "SLURM") if env.get("MASTER_PORT") else DEFAULT_PORT
+        return _checked(NodeEnv(_int(env, "SLURM_NODEID", "SLURM"), _int(env, "SLURM_NNODES", "SLURM"),
+                                env.get("MASTER_ADDR") or first_slurm_host(env["SLURM_JOB_NODELIST"]), port, "SLURM"))
+    raise ClusterError("no multi-node environment: set MLP_ROLE_INDEX/MLP_WORKER_NUM/MLP_WORKER_0_HOST/"
+                       "MLP_WORKER_0_PORT, or NODE_RANK/NNODES/MASTER_ADDR/MASTER_PORT, or run under SLURM")
+
+
+def _checked(n: NodeEnv) -> NodeEnv:
+    if n.num_nodes < 1:
+        raise ClusterError(f"{n.source}: the node count must be >= 1, got {n.num_nodes}")
+    if not 0 <= n.node_rank < n.num_nodes:
+        raise ClusterError(f"{n.source}: node rank {n.node_rank} is outside [0, {n.num_nodes})")
+    if not 0 < n.master_port < 65536:
+        raise ClusterError(f"{n.source}: master port {n.master_port} is not a TCP port")
+    return n
+
+
+def accelerate_config_for(deepspeed_file: str | None, num_nodes: int) -> Path:
+    """The accelerate config: ``accelerate_configs/<deepspeed_file>.yaml``, else ZeRO-3 for that many nodes."""
+    name = deepspeed_file or f"{num_nodes}_node_8_gpus_deepspeed_zero3"
+    path = ROOT / "accelerate_configs" / f"{name}.yaml"
+    if not path.is_file():
+        raise ClusterError(f"accelerate config {path} does not exist (experiment.deepspeed_file)")
+    return path
+
+
+def _config_processes(path: Path) -> tuple[int, int]:
+    text = path.read_text()
+    procs = re.search(r"^num_processes:\s*(\d+)", text, re.M)
+    machines = re.search(r"^num_machines:\s*(\d+)", text, re.M)
+    return (int(procs.group(1)) if procs else 1), (int(machines.group(1)) if machines else 1)
+
+
+def launch_command(script: str, argv: list[str], node: NodeEnv, deepspeed_file: str | None,
+                   num_node: int, env: dict[str, str] | None = None) -> list[str]:
+    """``accelerate launch`` of ``script`` on this node (every node builds the same command but its rank)."""
+    env = dict(os.environ if env is None else env)
+    if num_node != node.num_nodes:
+        raise ClusterError(f"experiment.num_node is {num_node} but the environment ({node.source}) describes "
+                           f"{node.num_nodes} node(s)")
+    config = accelerate_config_for(deepspeed_file, node.num_nodes)
+    procs, machines = _config_processes(config)
+    per_node = int(env["NPROC_PER_NODE"]) if env.get("NPROC_PER_NODE") else max(procs // max(machines, 1), 1)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            "--num_machines", str(node.num_nodes), "--machine_rank", str(node.node_rank),
+            "--num_processes", str(per_node * node.num_nodes), "--main_process_ip", node.master_addr,
+            "--main_process_port", str(node.master_port), str(ROOT / script), *argv]
