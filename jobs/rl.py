@@ -316,13 +316,22 @@ class RLJob:
         acc.save_state(str(ckpt / "trainer"))  # optimizer (sharded under ZeRO), RNG states
         if self.main:
             write_atomic(ckpt / "trainer" / "loop.json", json.dumps({
-                "rl_step": self.trainer.rl_step, "schedule": self.trainer.schedule.state_dict()}))
+                "rl_step": self.trainer.rl_step, "schedule": self.trainer.schedule.state_dict(),
+                "num_processes": acc.num_processes, "distributed_type": str(acc.distributed_type)}))
             write_atomic(ckpt / "DONE", "")
         barrier(acc)
 
     def _load_trainer(self, ckpt: Path) -> None:
-        self.acc.load_state(str(ckpt / "trainer"))
+        """Optimizer, RNG and schedule state of a checkpoint. Saved by another number of processes (or another
+        launcher), only the weights carry over (they were loaded from ``policy/``): the optimizer starts fresh."""
         loop = json.loads((ckpt / "trainer" / "loop.json").read_text())
+        same = (loop.get("num_processes"), loop.get("distributed_type")) == (self.acc.num_processes,
+                                                                             str(self.acc.distributed_type))
+        if same:
+            self.acc.load_state(str(ckpt / "trainer"))
+        elif self.main:
+            print(f"note: {ckpt} was saved by {loop.get('num_processes')} process(es) "
+                  f"({loop.get('distributed_type')}); resuming the weights with a fresh optimizer state", flush=True)
         self.trainer.rl_step = int(loop["rl_step"])
         self.trainer.schedule.load_state_dict(loop["schedule"])
 

@@ -157,3 +157,7 @@ def test_two_process_rl_keeps_ranks_identical(tmp_path, ckpts, config, base, kin
     start = load_file(str(ckpts[base] / "model.safetensors"))
     end = weights(run / "step_2")
     assert max(float((start[k].float() - end[k].float()).abs().max()) for k in start) > 1e-4
+    if kind == "DEEPSPEED":  # whole weights were saved once: resume them in a single process, fresh optimizer
+        more = _harness([*args, "experiment.start_from_scratch=false", "experiment.total_step=3"])
+        assert more.returncode == 0 and "fresh optimizer state" in more.stdout, more.stderr[-3000:]
+        assert json.loads((run / "step_3" / "metrics.json").read_text())["optimizer_steps"] >= 1
