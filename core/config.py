@@ -26,7 +26,7 @@ from core.loader import ConfigError, load, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
-from train.settings import LRSchedulerConfig, OptimizerConfig, RLTrainingConfig
+from train.settings import LRSchedulerConfig, OptimizerConfig, RLTrainingConfig, SFTTrainingConfig
 
 __all__ = ["ConfigError", "load_config", "load_config_or_exit", "dump_config", "infer_kind", "SCHEMAS",
            "RLConfig", "EvalConfig", "SFTConfig", "DEMO_MODEL_DIRS"]
@@ -288,11 +288,30 @@ class RLConfig(Settings):
 
 
 @dataclass
-class SFTConfig(Settings):
-    """train/sft_*.py (the SFT trainer is not in this repository yet: its keys are placeholders)."""
+class SFTExperimentConfig(ExperimentConfig):
+    start_from_scratch: bool = True  # false = resume from {output_dir}/{project}/ckpt/last
 
-    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+
+@dataclass
+class SFTDatasetConfig(Settings):
+    """SFT data: data/{name}.json|.jsonl, a path, a datasets folder, or builtin:arithmetic."""
+
+    optimization_data: str = required()
+    builtin_size: int = bounded(2000, 1)  # rows of a built-in dataset
+    builtin_difficulty: int = bounded(1, 1)  # data/tasks.py arithmetic difficulty
+
+
+@dataclass
+class SFTConfig(Settings):
+    """train/sft_*.py."""
+
+    experiment: SFTExperimentConfig = field(default_factory=SFTExperimentConfig)
     model: TrainModelConfig = field(default_factory=TrainModelConfig)
+    dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
+    training: SFTTrainingConfig = field(default_factory=SFTTrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
 
 
 SCHEMAS: dict[str, type] = {"rl": RLConfig, "eval": EvalConfig, "sft": SFTConfig}
@@ -308,8 +327,27 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "optimizer.params.value_learning_rate": _NOT_YET, "optimizer.params.policy_learning_rate": _NOT_YET,
     },
     "eval": {},
-    "sft": {k: "not supported yet: SFT is a coming feature" for k in
-            ("dataset", "training", "optimizer", "lr_scheduler", "wandb", "system")},
+    "sft": {},
+}
+
+
+# Reference keys that configure something this framework does differently: accepted so the reference's files
+# load, with a printed notice saying why they have no effect.
+_COMMON_NO_EFFECT = {
+    "experiment.node_index": "each node's rank comes from its environment (see multinode_rl.py)",
+    "optimizer.params.scale_lr": "the reference never reads it",
+    "lr_scheduler.params.learning_rate": "the learning rate is optimizer.params.learning_rate",
+    "system.env_name": "activate the environment before launching (no conda activation per node)",
+    "system.envs_dir": "activate the environment before launching (no conda activation per node)",
+}
+NO_EFFECT: dict[str, dict[str, str]] = {
+    "rl": {**_COMMON_NO_EFFECT,
+           "experiment.function": "rl.py runs every stage in one process",
+           "dataset.optimization_data": "rollouts stay in memory and are written to the step directory",
+           "training.block_size": "training views use the block size each trajectory was sampled with "
+                                  "(rollout.block_size)"},
+    "eval": dict(_COMMON_NO_EFFECT),
+    "sft": dict(_COMMON_NO_EFFECT),
 }
 
 
@@ -323,7 +361,7 @@ def load_config(argv: Sequence[str], kind: str, stream: Any = None) -> Any:
     """
     if kind not in SCHEMAS:
         raise ConfigError(f"unknown job kind {kind!r} (expected one of {sorted(SCHEMAS)})", key="kind")
-    return load(argv, SCHEMAS[kind], UNSUPPORTED[kind], FOLLOWS.get(kind), stream)
+    return load(argv, SCHEMAS[kind], UNSUPPORTED[kind], FOLLOWS.get(kind), stream, NO_EFFECT[kind])
 
 
 def load_config_or_exit(kind: str, argv: Sequence[str] | None = None) -> Any:

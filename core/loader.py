@@ -4,7 +4,7 @@ The schema of a job kind is a tree of section dataclasses (see core/schema.py). 
 1. reads the file and the overrides (values are YAML scalars: ``1e-5`` is a float, ``[0,1]`` a list, ``null`` is
    None; overrides apply in order after the file; ``???`` is refused: a value is required);
 2. maps the reference implementation's renamed keys (:data:`RENAMES`, one table) and drops, with a printed
-   notice, reference keys that have no effect here (:data:`NO_EFFECT`);
+   notice, reference keys that have no effect here (per job kind, core/config.py ``NO_EFFECT``);
 3. rejects unknown keys naming the file and the closest valid key, and unsupported ones with the reason;
 4. fills defaults from the dataclasses, lets a section follow another (``evaluation`` keys that are not set follow
    ``rollout``), resolves ``${a.b}`` interpolations, coerces types (int -> float, number -> str);
@@ -68,20 +68,6 @@ RENAMES: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     "batch_size": ("max_active", None),  # Dream/LLaDA: prompts sampled together
 }
 _RENAMED_SECTIONS = ("rollout", "evaluation")
-
-# Reference keys that configure something this framework does differently: accepted so the reference's files
-# load, with a printed notice saying why they have no effect.
-NO_EFFECT: dict[str, str] = {
-    "experiment.function": "rl.py runs every stage in one process",
-    "experiment.node_index": "each node's rank comes from its environment (see multinode_rl.py)",
-    "training.block_size": "training views use the block size each trajectory was sampled with (rollout.block_size)",
-    "dataset.optimization_data": "rollouts stay in memory and are written to the step directory",
-    "optimizer.params.scale_lr": "the reference never reads it",
-    "lr_scheduler.params.learning_rate": "the learning rate is optimizer.params.learning_rate",
-    "system.env_name": "activate the environment before launching (no conda activation per node)",
-    "system.envs_dir": "activate the environment before launching (no conda activation per node)",
-}
-
 
 def _rename_section(tree: dict[str, Any], section: str, src: str) -> None:
     body = tree.get(section)
@@ -333,13 +319,13 @@ def parse_override(item: str, path: str) -> dict[str, Any]:
 
 
 def check_tree(tree: dict[str, Any], cls: type, root: type, src: str, unsupported: dict[str, str],
-               notices: list[str], prefix: str = "") -> None:
+               notices: list[str], no_effect: dict[str, str], prefix: str = "") -> None:
     """Reject unknown keys and section/scalar shape errors in one source; drop no-effect keys with a notice."""
     fields = config_fields(cls)
     for name in list(tree):
         key, value = f"{prefix}{name}", tree[name]
-        if key in NO_EFFECT and str(name) not in fields:
-            notices.append(f"note: {src}: '{key}' has no effect here ({NO_EFFECT[key]})")
+        if key in no_effect and str(name) not in fields:
+            notices.append(f"note: {src}: '{key}' has no effect here ({no_effect[key]})")
             del tree[name]
             continue
         if str(name) not in fields:
@@ -354,7 +340,7 @@ def check_tree(tree: dict[str, Any], cls: type, root: type, src: str, unsupporte
             elif not isinstance(value, dict):
                 raise ConfigError(f"{src}: key '{key}' is a section (a mapping), got {value!r}", key, src)
             else:
-                check_tree(value, tp, root, src, unsupported, notices, key + ".")
+                check_tree(value, tp, root, src, unsupported, notices, no_effect, key + ".")
         elif isinstance(value, dict) and not _accepts_mapping(tp):
             raise ConfigError(f"{src}: key '{key}' expects {describe_type(tp)}, got a mapping", key, src)
 
@@ -418,22 +404,23 @@ def build(cls: type, cfg: DictConfig, sources: dict[str, str], path: str, prefix
 
 
 def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None = None,
-         follows: dict[str, str] | None = None, stream: Any = None) -> Any:
+         follows: dict[str, str] | None = None, stream: Any = None, no_effect: dict[str, str] | None = None) -> Any:
     """Load ``config=<file>`` plus overrides into an instance of ``schema`` (see the module docstring).
 
     ``follows`` maps a section to another whose value its unset keys take (``{"evaluation": "rollout"}``).
-    Notices about no-effect reference keys go to ``stream`` (stderr by default).
+    ``unsupported`` keys are refused with their reason; ``no_effect`` keys (the reference's keys for things this
+    framework does differently) are dropped with a notice on ``stream`` (stderr by default).
     """
-    unsupported = unsupported or {}
+    unsupported, no_effect = unsupported or {}, no_effect or {}
     path, overrides = split_argv(argv)
     notices: list[str] = []
     layers = [_apply_renames(_normalise_reference_form(read_yaml(path)), path)]
-    check_tree(layers[0], schema, schema, path, unsupported, notices)
+    check_tree(layers[0], schema, schema, path, unsupported, notices, no_effect)
     sources = dict.fromkeys(_leaf_keys(layers[0]), path)
     for item in overrides:
         src = f"{path} (override {item!r})"
         tree = _apply_renames(_normalise_reference_form(parse_override(item, path)), src)
-        check_tree(tree, schema, schema, src, unsupported, notices)
+        check_tree(tree, schema, schema, src, unsupported, notices, no_effect)
         sources.update(dict.fromkeys(_leaf_keys(tree), src))
         layers.append(tree)
     try:

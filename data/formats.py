@@ -121,7 +121,9 @@ def infer_kind(row: Mapping) -> str:
     return "math"
 
 
-def _read_rows(path: Path) -> list[Any]:
+def read_raw_rows(path: str | Path) -> list[Any]:
+    """The rows of a .json (list) or .jsonl file, not validated (errors name the file and line)."""
+    path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -151,7 +153,7 @@ def load_dataset_file(path: str | Path, kind: str) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path} (see data/README.md to download or build it)")
-    rows = _read_rows(path)
+    rows = read_raw_rows(path)
     if not rows:
         raise DataFormatError(f"{path}: the dataset has no rows")
     return validate_rows(rows, kind, str(path))

@@ -39,6 +39,7 @@ from typing import Any
 from core.config import config_text
 from core.files import RunDirError, write_atomic
 from core.schema import to_dict
+from jobs.checkpoint import is_complete, load_checkpoint, save_checkpoint
 from jobs.dist import barrier, is_main
 from jobs.evaluate import default_device, ensure_demo_model, evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
@@ -75,7 +76,7 @@ class RunDir:
         return sorted(out)
 
     def last_checkpoint(self) -> int | None:
-        ckpts = [i for i in self.complete_steps() if (self.step(i) / "ckpt" / "DONE").is_file()]
+        ckpts = [i for i in self.complete_steps() if is_complete(self.step(i) / "ckpt")]
         return max(ckpts, default=None)
 
     def discard_after(self, i: int) -> None:
@@ -308,32 +309,10 @@ class RLJob:
         return self.run.step(step) / "ckpt" / "policy"
 
     def _save(self, ckpt: Path) -> None:
-        acc, model = self.acc, self.trainer.model
-        state = acc.get_state_dict(model)  # whole 16-bit weights under ZeRO-3 (collective)
-        if self.main:
-            acc.unwrap_model(model).save_pretrained(ckpt / "policy", state_dict=state, safe_serialization=True)
-            self.adapter.tokenizer.save_pretrained(ckpt / "policy")
-        acc.save_state(str(ckpt / "trainer"))  # optimizer (sharded under ZeRO), RNG states
-        if self.main:
-            write_atomic(ckpt / "trainer" / "loop.json", json.dumps({
-                "rl_step": self.trainer.rl_step, "schedule": self.trainer.schedule.state_dict(),
-                "num_processes": acc.num_processes, "distributed_type": str(acc.distributed_type)}))
-            write_atomic(ckpt / "DONE", "")
-        barrier(acc)
+        save_checkpoint(self.trainer, ckpt)
 
     def _load_trainer(self, ckpt: Path) -> None:
-        """Optimizer, RNG and schedule state of a checkpoint. Saved by another number of processes (or another
-        launcher), only the weights carry over (they were loaded from ``policy/``): the optimizer starts fresh."""
-        loop = json.loads((ckpt / "trainer" / "loop.json").read_text())
-        same = (loop.get("num_processes"), loop.get("distributed_type")) == (self.acc.num_processes,
-                                                                             str(self.acc.distributed_type))
-        if same:
-            self.acc.load_state(str(ckpt / "trainer"))
-        elif self.main:
-            print(f"note: {ckpt} was saved by {loop.get('num_processes')} process(es) "
-                  f"({loop.get('distributed_type')}); resuming the weights with a fresh optimizer state", flush=True)
-        self.trainer.rl_step = int(loop["rl_step"])
-        self.trainer.schedule.load_state_dict(loop["schedule"])
+        load_checkpoint(self.trainer, ckpt)
 
     # ------------------------------------------------------------ outputs
 
@@ -351,7 +330,7 @@ class RLJob:
         if self.tracker is not None:
             self.tracker.log(_scalars(metrics), step=metrics["step"])
         step = metrics["step"]
-        if (self.run.step(step) / "ckpt" / "DONE").is_file():
+        if is_complete(self.run.step(step) / "ckpt"):
             _link(self.root / "ckpt" / self.cfg.model.optimized_name, self._policy_dir(step))
         print(format_line(metrics, self.cfg.experiment.total_step), flush=True)
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import SCHEMAS, UNSUPPORTED
-from core.loader import NO_EFFECT
+from core.config import NO_EFFECT, SCHEMAS, UNSUPPORTED
 from core.schema import config_fields, record_reads
 from models.tiny import save_tiny_checkpoint
 
@@ -72,7 +71,7 @@ def test_rejected_keys_have_reasons(kind):
     keys = set(leaf_keys(SCHEMAS[kind]))
     for key, reason in UNSUPPORTED[kind].items():
         assert reason and key not in keys
-    for key, reason in NO_EFFECT.items():
+    for key, reason in NO_EFFECT[kind].items():
         assert reason and key not in keys
 
 
@@ -137,3 +136,24 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch):
     missing = [key for key, (cls, name) in leaf_keys(SCHEMAS["rl"]).items() if not consumed(reads, cls, name)]
     assert missing == [], missing
     assert wandb.inits[0]["entity"] == "lab" and [s for s, _ in wandb.logs][:2] == [0, 1]
+
+
+def test_every_sft_key_is_consumed(tmp_path, demo_tokenizer):
+    from train.sft_entry import main
+
+    sdar = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    common = ["config=configs/demo/sft_demo.yaml", f"experiment.output_dir={tmp_path / 'out'}",
+              f"model.pretrained_model={sdar}", "dataset.builtin_size=8", "training.samples_per_step=4",
+              "training.max_steps=2", f"system.base_dir={ROOT}", "dataset.builtin_difficulty=2"]
+    runs = [[*common, "experiment.project=a", "training.save_every=1", "training.random_mask_mode=per_position",
+             "training.mask_times_per_sample=2"],
+            [*common, "experiment.project=a", "experiment.start_from_scratch=false", "training.max_steps=3"],
+            [*common, "experiment.project=a", "experiment.overwrite=true", "training.method=trace",
+             "training.shrink=2", "training.layout=per_round"]]
+    reads: set[tuple[type, str]] = set()
+    for argv in runs:
+        with record_reads() as seen:
+            assert main("sdar", argv) == 0
+        reads |= seen
+    missing = [key for key, (cls, name) in leaf_keys(SCHEMAS["sft"]).items() if not consumed(reads, cls, name)]
+    assert missing == [], missing

@@ -123,3 +123,36 @@ class LRSchedulerConfig(Settings):
 
     scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     params: LRSchedulerParams = field(default_factory=LRSchedulerParams)
+
+
+SFT_METHODS = {"semi-ar": "random_masking", "random_masking": "random_masking", "trace": "tracerl",
+               "tracerl": "tracerl"}
+
+
+@dataclass
+class SFTTrainingConfig(TrainerSettings, ViewConfig):
+    """The ``training`` section of SFT jobs: the trainer loop plus the view that noises the responses.
+
+    ``method``: ``semi-ar`` (the reference's name for block-diffusion SFT: each block of the response noised with
+    the clean earlier blocks visible, i.e. random masking over the block layout), ``random_masking`` (the same
+    view for every family), ``trace`` (the TraceRL rounds of a given step map; rows without one decode left to
+    right).
+    """
+
+    method: str = "semi-ar"
+    block_size: int | None = bounded(None, 1)  # block models: train on blocks of this size (null = the model's)
+    samples_per_step: int | None = bounded(16, 1)  # samples per optimiser step and process
+    save_every: int = bounded(0, 0)  # optimiser steps between checkpoints (0 = only at the end)
+    max_steps: int = bounded(0, 0)  # stop after this many optimiser steps (0 = num_train_epochs passes)
+
+    def validate(self) -> None:
+        if self.method not in SFT_METHODS:
+            raise SettingError("method", f"method must be one of {', '.join(SFT_METHODS)}, got {self.method!r}")
+        method = self.method
+        self.method = SFT_METHODS[method]  # the view the method uses
+        super().validate()
+        self.method = method
+
+    @property
+    def view_method(self) -> str:
+        return SFT_METHODS[self.method]

@@ -1,0 +1,266 @@
+"""The SFT job behind ``train/sft_<family>.py``: data -> samples -> SFTTrainer steps -> checkpoints.
+
+Data (``dataset.optimization_data``): ``data/<name>.json|.jsonl``, a path to such a file, a ``datasets`` folder
+saved with ``save_to_disk``, or ``builtin:arithmetic``. Rows are ``{prompt, response[, step_map]}`` or chat
+``{messages: [...]}`` (the last assistant message is the response). Prompts are rendered with the tokenizer's chat
+template (a prompt that already contains the template's special tokens is taken as it is); the response is
+encoded as text and closed with the family's turn-end token; the loss covers response tokens only. Rows whose
+prompt exceeds ``training.max_prompt_len`` are reported and skipped by id (nothing shifts).
+
+Run directory ``{output_dir}/{project}/``: ``config.yaml``, ``metrics.jsonl`` (one line per optimiser step),
+``ckpt/<optimized_name>/`` (the final model, loadable by ``from_pretrained`` / ``load_model``) and ``ckpt/last/``
+(policy weights + optimizer / RNG / data position, written every ``training.save_every`` steps; resume with
+``experiment.start_from_scratch=false``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from core.config import config_text
+from core.files import RunDirError, write_atomic
+from core.schema import replace
+from data.formats import DataFormatError, read_raw_rows
+from data.prompts import prompt_ids
+from data.tasks import arithmetic_task
+from jobs.checkpoint import is_complete, load_checkpoint, save_checkpoint
+from jobs.dist import barrier, is_main
+from jobs.evaluate import default_device, ensure_demo_model
+from models.registry import family_spec, load_model
+from sample.trajectory import Trajectory
+from train.accelerator import build_accelerator
+from train.sft_trainer import SFTTrainer, sft_sample
+
+ARITHMETIC_ANSWER = "The answer is \\boxed{{{answer}}}."
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def turn_end_id(adapter: Any) -> int:
+    return int(adapter.tokenizer.convert_tokens_to_ids(family_spec(adapter.model_base).turn_end))
+
+
+def builtin_rows(name: str, n: int, seed: int, difficulty: int) -> list[dict]:
+    """SFT rows of a built-in task: the math question as the prompt, a short boxed answer as the response."""
+    if name != "builtin:arithmetic":
+        raise DataFormatError(f"unknown built-in SFT dataset {name!r} (builtin:arithmetic)")
+    return [{"question": r["question"], "response": ARITHMETIC_ANSWER.format(answer=r["ground_truth_answer"])}
+            for r in arithmetic_task(n, seed=seed, difficulty=difficulty)]
+
+
+def read_rows(name: str, data_dir: str = "data") -> list[dict]:
+    """Rows of an SFT dataset file or ``datasets`` folder (validated: prompt/response or messages)."""
+    path = Path(name)
+    if not path.exists():
+        path = Path(data_dir) / (name if name.endswith((".json", ".jsonl")) else f"{name}.json")
+    if path.is_dir():
+        try:
+            from datasets import load_from_disk
+        except ImportError:  # pragma: no cover - datasets is a requirement
+            raise DataFormatError(f"{path}: reading a datasets folder needs the datasets package") from None
+        rows = [dict(r) for r in load_from_disk(str(path))]
+        if not rows:
+            raise DataFormatError(f"{path}: the dataset has no rows")
+        return [_check_row(r, str(path), i) for i, r in enumerate(rows)]
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data {name!r} not found (looked for {path}); see data/README.md")
+    if path.suffix not in (".json", ".jsonl"):
+        raise DataFormatError(f"{path}: SFT data must be .json, .jsonl or a datasets folder")
+    raw = read_raw_rows(path)
+    if not raw:
+        raise DataFormatError(f"{path}: the dataset has no rows")
+    return [_check_row(r, str(path), i) for i, r in enumerate(raw)]
+
+
+def _check_row(row: Any, where: str, i: int) -> dict:
+    if not isinstance(row, dict):
+        raise DataFormatError(f"{where}: row {i}: expected an object, got {type(row).__name__}")
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                             for m in msgs):
+            raise DataFormatError(f"{where}: row {i}: field 'messages': expected a list of {{role, content}}")
+        if msgs[-1]["role"] != "assistant":
+            raise DataFormatError(f"{where}: row {i}: field 'messages': the last message must be the assistant's")
+        return row
+    for key in ("prompt", "response"):
+        if not isinstance(row.get(key), str) or not row[key]:
+            raise DataFormatError(f"{where}: row {i}: field '{key}': expected a non-empty string")
+    steps = row.get("step_map")
+    if steps is not None and (not isinstance(steps, list) or not all(isinstance(s, int) and s >= 0 for s in steps)):
+        raise DataFormatError(f"{where}: row {i}: field 'step_map': expected a list of non-negative integers")
+    return row
+
+
+def build_samples(rows: list[dict], adapter: Any, where: str) -> list[Trajectory]:
+    """Token-level samples (prompt ids, response ids closed by the turn-end token, step map)."""
+    end = turn_end_id(adapter)
+    tok = adapter.tokenizer
+    specials = [t for t in tok.all_special_tokens if t not in (tok.mask_token,)]
+    out = []
+    for i, row in enumerate(rows):
+        if "question" in row:  # built-in task: the prompt the RL and eval jobs render
+            prompt = prompt_ids(adapter, row, "math")
+            text, steps = row["response"], None
+        elif "messages" in row:
+            prompt = adapter.encode_chat(row["messages"][:-1])
+            text, steps = str(row["messages"][-1]["content"]), row.get("step_map")
+        else:
+            templated = any(sp in row["prompt"] for sp in specials)
+            prompt = tok.encode(row["prompt"], add_special_tokens=False) if templated else \
+                adapter.encode_chat([{"role": "user", "content": row["prompt"]}])
+            text, steps = row["response"], row.get("step_map")
+        resp = adapter.encode_text(text)
+        if steps is not None and min(steps, default=1) == 0:  # snapshot indices from 0 (Dream / LLaDA samplers)
+            steps = [s + 1 for s in steps]
+        if not resp or resp[-1] != end:  # close the turn; the turn end is decoded after everything else
+            resp.append(end)
+            if steps is not None:
+                steps = [*steps, max(steps, default=0) + 1]
+        if steps is not None and len(steps) != len(resp):
+            raise DataFormatError(f"{where}: row {i}: field 'step_map': {len(steps)} steps for {len(resp)} response "
+                                  "tokens")
+        out.append(sft_sample(prompt, resp, f"r{i}", steps))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the job
+
+
+class SFTJob:
+    def __init__(self, cfg: Any, progress: bool = True):
+        self.cfg, self.progress = cfg, progress
+        self.root = Path(cfg.experiment.output_dir) / cfg.experiment.project
+        self.last = self.root / "ckpt" / "last"
+
+    def prepare(self) -> int:
+        """Run directory, model, data, trainer; returns the first optimiser step to run (0-based)."""
+        cfg, t = self.cfg, self.cfg.training
+        cfg.system.apply()
+        self.acc = build_accelerator(mixed_precision=t.mixed_precision,
+                                     gradient_accumulation_steps=t.gradient_accumulation_steps,
+                                     micro_batch_size=t.batch_size_lm)
+        self.main = is_main(self.acc)
+        resume = self._check_run_dir()
+        if self.main and not resume:
+            ensure_demo_model(cfg.model)
+        barrier(self.acc)
+        source = str(self.last / "policy") if resume else cfg.model.pretrained_model
+        self.adapter = load_model(replace(cfg.model, pretrained_model=source), device=default_device()).adapter
+        self.samples = self._samples()
+        per_step = t.samples_per_step or len(self.samples)
+        self.steps_per_epoch = math.ceil(len(self.samples) / per_step)
+        self.total = t.max_steps or self.steps_per_epoch * t.num_train_epochs
+        if cfg.optimizer.name != "adamw":
+            raise RunDirError(f"optimizer.name {cfg.optimizer.name!r} is not supported")
+        self.trainer = SFTTrainer(self.adapter, replace(t, samples_per_step=None), cfg.optimizer.params,
+                                  cfg.lr_scheduler, total_steps=self.total, accelerator=self.acc)
+        first = 0
+        if resume:
+            first = int(load_checkpoint(self.trainer, self.last)["step"])
+        if self.main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.root / "config.yaml", config_text(cfg))
+        barrier(self.acc)
+        return first
+
+    def _check_run_dir(self) -> bool:
+        exp = self.cfg.experiment
+        if not exp.start_from_scratch:
+            if not is_complete(self.last):
+                raise RunDirError(f"nothing to resume in {self.root}: no complete checkpoint at {self.last}")
+            return True
+        if self.root.is_dir() and any(self.root.iterdir()):
+            if not exp.overwrite:
+                raise RunDirError(f"run directory {self.root} is not empty; resume it with experiment."
+                                  "start_from_scratch=false, or replace it with experiment.overwrite=true")
+            if self.main:
+                shutil.rmtree(self.root)
+            barrier(self.acc)
+        return False
+
+    def _samples(self) -> list[Trajectory]:
+        d, t = self.cfg.dataset, self.cfg.training
+        if d.optimization_data.startswith("builtin:"):
+            rows = builtin_rows(d.optimization_data, d.builtin_size, self.cfg.experiment.seed, d.builtin_difficulty)
+        else:
+            rows = read_rows(d.optimization_data)
+        samples = build_samples(rows, self.adapter, d.optimization_data)
+        for s in samples:  # the block size the views train with (None: the model's own)
+            s.block_size = t.block_size
+        too_long = [s.sample_id for s in samples if t.max_prompt_len and len(s.prompt_ids) > t.max_prompt_len]
+        if too_long and self.main:
+            print(f"note: {len(too_long)} of {len(samples)} rows have prompts over training.max_prompt_len "
+                  f"({t.max_prompt_len}) and are skipped: {too_long[:5]}", flush=True)
+        kept = [s for s in samples if s.sample_id not in set(too_long)]
+        if not kept:
+            raise DataFormatError(f"{d.optimization_data}: no row fits training.max_prompt_len")
+        return kept
+
+    def batch(self, step: int) -> list[Trajectory]:
+        """The samples of optimiser step ``step``: epochs in a seeded order, cut into ``samples_per_step``."""
+        t = self.cfg.training
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = list(range(len(self.samples)))
+        if t.shuffle:
+            random.Random(f"sft-{t.seed}-{epoch}").shuffle(order)
+        per = t.samples_per_step or len(self.samples)
+        return [self.samples[i] for i in order[k * per:(k + 1) * per]]
+
+    def run(self, first: int) -> Path:
+        t, out = self.cfg.training, self.root / "ckpt" / self.cfg.model.optimized_name
+        bar = tqdm(total=self.total, initial=first, desc="sft", unit="step", disable=not (self.progress and self.main))
+        history = self._history()[:first]
+        for step in range(first, self.total):
+            metrics = self.trainer.train_samples(self.batch(step))
+            m = metrics[-1] if metrics else {}
+            line = {"step": step + 1, "loss": m.get("loss", 0.0), "lr": m.get("lr", 0.0),
+                    "nll": m.get("nll_sum", 0.0) / max(m.get("tokens", 0.0), 1.0), "tokens": m.get("tokens", 0.0)}
+            history.append(line)
+            bar.update(1)
+            bar.set_postfix(nll=f"{line['nll']:.3f}")
+            if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < self.total:
+                self._save(step + 1, history)
+        bar.close()
+        self._save(self.total, history)
+        if self.main:
+            if out.exists():
+                shutil.rmtree(out)
+            shutil.copytree(self.last / "policy", out)
+        barrier(self.acc)
+        return out
+
+    def _history(self) -> list[dict]:
+        path = self.root / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+    def _save(self, step: int, history: list[dict]) -> None:
+        tmp = self.root / "ckpt" / "last.partial"
+        if self.main and tmp.exists():
+            shutil.rmtree(tmp)
+        barrier(self.acc)
+        save_checkpoint(self.trainer, tmp, {"step": step})
+        if self.main:
+            write_atomic(self.root / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+            if self.last.exists():
+                shutil.rmtree(self.last)
+            tmp.rename(self.last)
+        barrier(self.acc)
+
+
+def run_sft(cfg: Any, progress: bool = True) -> Path:
+    """Train ``cfg.model`` with SFT; returns the folder of the final model."""
+    job = SFTJob(cfg, progress)
+    first = job.prepare()
+    if job.main:
+        print(f"sft: {len(job.samples)} samples, steps {first + 1}..{job.total}, run directory {job.root}",
+              flush=True)
+    return job.run(first)

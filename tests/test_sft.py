@@ -1,0 +1,154 @@
+"""SFT: samples from data rows, each method's loss against a direct computation, learning, resume, 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core.config import load_config
+from jobs.sft import SFTJob, build_samples, read_rows, run_sft, turn_end_id
+from models.tiny import save_tiny_checkpoint
+from train.accelerator import build_accelerator
+from train.settings import OptimizerParams, SFTTrainingConfig
+from train.sft_trainer import SFTTrainer, sft_sample
+from train.views import build_view
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sft_args(out: Path, model: Path, **over) -> list[str]:
+    args = {"experiment.output_dir": out, "experiment.project": "sft", "model.pretrained_model": model,
+            "dataset.builtin_size": 64, "training.samples_per_step": 8, "training.max_steps": 6,
+            "optimizer.params.learning_rate": 3e-3}
+    args.update(over)
+    return ["config=configs/demo/sft_demo.yaml", *(f"{k}={v}" for k, v in args.items())]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, demo_tokenizer):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("sft") / "sdar", "sdar", demo_tokenizer, size="test")
+
+
+def test_rows_become_samples_closed_by_the_turn_end(tiny, tmp_path):
+    adapter = tiny("sdar")
+    end = turn_end_id(adapter)
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": "What is 2+2?", "response": "4"},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello<|im_end|>"}]},
+            {"prompt": "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n", "response": "A B"}]
+    n = len(adapter.encode_text("A B"))
+    rows[2]["step_map"] = list(range(n))
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    samples = build_samples(read_rows(str(data)), adapter, "d")
+    assert [s.response_ids[-1] for s in samples] == [end] * 3
+    assert samples[0].response_ids == adapter.encode_text("4") + [end]
+    assert samples[0].prompt_ids == adapter.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+    assert samples[1].response_ids.count(end) == 1  # a response already closed is not closed twice
+    tok = adapter.tokenizer
+    assert samples[2].prompt_ids == tok.encode(rows[2]["prompt"], add_special_tokens=False)  # pre-templated
+    assert samples[2].step_map == list(range(1, n + 2))  # 0-based steps shifted; the appended turn end decodes last
+    assert samples[0].step_map == list(range(1, len(samples[0].response_ids) + 1))  # no step map: left to right
+
+
+@pytest.mark.parametrize("method", ["semi-ar", "trace"])
+def test_sft_loss_equals_a_direct_computation_from_full_logits(tiny, method):
+    adapter = tiny("sdar", seed=3)
+    samples = [sft_sample([5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25], "a", [2, 1, 3, 3, 5, 4]),
+               sft_sample([30, 31], [40, 41, 42], "b")]
+    cfg = SFTTrainingConfig(method=method, layout="per_round", samples_per_step=None, seed=1)
+    trainer = SFTTrainer(adapter, cfg, OptimizerParams(), accelerator=build_accelerator())
+    batch = build_view(samples, {"a": 1.0, "b": 1.0}, trainer.cfg, trainer.ids)
+    if method == "trace":  # rounds of the step map: block [20..23] at positions 4..7 has steps 1,2,3 -> 3 rounds
+        assert batch.num_tokens == 9 and sorted(batch.steps[batch.sample_index == 0].tolist()) == [1, 2, 3, 3, 4, 5]
+    else:  # random masking: every trained token is masked in its row's copy
+        assert 0 < batch.num_tokens <= 9
+    with torch.no_grad():
+        got = trainer.loss(batch, trainer.forward_logprobs(trainer.model, batch)).loss
+        logits = adapter.forward(batch.input_ids, batch.position_ids, batch.layout).float()
+        logp = logits.log_softmax(-1)[batch.rows, batch.cols, batch.labels]
+        want = -(batch.weights * logp).sum()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.all(batch.input_ids[batch.rows, batch.token_cols] == adapter.mask_id)  # trained = masked
+
+
+def test_sft_on_the_builtin_task_lowers_the_loss(tmp_path, ckpt):
+    out = run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 30, "dataset.builtin_size": 128,
+                                                          "training.samples_per_step": 16}), "sft"),
+                  progress=False)
+    lines = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(x["nll"] for x in lines[:3]) / 3, sum(x["nll"] for x in lines[-3:]) / 3
+    assert len(lines) == 30 and last < 0.6 * first
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_resume_after_a_save_continues_like_an_uninterrupted_run(tmp_path, ckpt, monkeypatch):
+    run_sft(load_config(sft_args(tmp_path / "whole", ckpt), "sft"), progress=False)
+    whole = [json.loads(x) for x in (tmp_path / "whole" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    save = SFTJob._save
+
+    def save_then_die(self, step, history):
+        save(self, step, history)
+        if step == 3:
+            raise KeyboardInterrupt  # killed right after the checkpoint of step 3
+
+    monkeypatch.setattr(SFTJob, "_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(load_config(sft_args(tmp_path / "cut", ckpt, **{"training.save_every": 3}), "sft"), progress=False)
+    monkeypatch.setattr(SFTJob, "_save", save)
+    run_sft(load_config(sft_args(tmp_path / "cut", ckpt, **{"training.save_every": 3,
+                                                            "experiment.start_from_scratch": "false"}), "sft"),
+            progress=False)
+    resumed = [json.loads(x) for x in (tmp_path / "cut" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in resumed] == list(range(1, 7))
+    assert [round(x["loss"], 6) for x in resumed] == [round(x["loss"], 6) for x in whole]
+    a = load_file(str(tmp_path / "whole" / "sft" / "ckpt" / "optimized" / "model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "sft" / "ckpt" / "optimized" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_script_family_must_match_the_model(tmp_path, ckpt):
+    proc = subprocess.run([sys.executable, "train/sft_dream.py", *sft_args(tmp_path, ckpt)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "train/sft_sdar.py" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["cpu_ddp_2proc.yaml", "cpu_zero3_2proc.yaml"])
+def test_two_process_sft_ends_with_identical_weights(tmp_path, ckpt, config):
+    from tests.test_train_distributed import _free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SFT_DIGEST=str(tmp_path / "w"),
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()),
+           str(Path(__file__).resolve()), *sft_args(tmp_path, ckpt, **{"training.max_steps": 3})]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["num_processes"] == 2 and ranks[0]["digest"] == ranks[1]["digest"]
+    start = load_file(str(ckpt / "model.safetensors"))
+    end = load_file(str(tmp_path / "sft" / "ckpt" / "optimized" / "model.safetensors"))
+    assert max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
+
+
+if __name__ == "__main__":  # launched by the 2-process test: SFT, then a digest of this rank's whole weights
+    import hashlib
+
+    job = SFTJob(load_config(sys.argv[1:], "sft"), progress=False)
+    job.run(job.prepare())
+    from jobs.rl import sampling_weights
+
+    with sampling_weights(job.trainer):
+        digest = hashlib.sha256()
+        for name, p in sorted(job.adapter.model.named_parameters()):
+            digest.update(name.encode() + p.detach().float().cpu().numpy().tobytes())
+    Path(f"{os.environ['SFT_DIGEST']}.{job.acc.process_index}.json").write_text(json.dumps(
+        {"digest": digest.hexdigest(), "num_processes": job.acc.num_processes}))

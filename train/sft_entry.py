@@ -1,0 +1,30 @@
+"""What every ``train/sft_<family>.py`` script runs: load the config (before torch), check the family, run SFT."""
+
+from __future__ import annotations
+
+import sys
+
+from core.config import load_config_or_exit
+from core.entry import check_single_node, relaunch_if_requested, run_job
+from core.loader import ConfigError
+
+FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado"), "dream": ("dream",), "llada": ("llada",),
+                "mmada": ("mmada", "llada")}
+
+
+def main(family: str, argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = load_config_or_exit("sft", argv)
+
+    def job() -> None:
+        if cfg.model.model_base not in FAMILY_BASES[family]:
+            raise ConfigError(f"key 'model.model_base' is {cfg.model.model_base!r} but this is train/sft_{family}.py "
+                              f"(use train/sft_{cfg.model.model_base}.py)", "model.model_base")
+        check_single_node(cfg, f"sft_{family}.py")
+        relaunch_if_requested(cfg, f"train/sft_{family}.py", argv)
+        from jobs.sft import run_sft
+
+        out = run_sft(cfg)
+        print(f"model: {out}")
+
+    return run_job(job)

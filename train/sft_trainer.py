@@ -1,0 +1,57 @@
+"""SFTTrainer: the policy trainer's machinery with a negative log-likelihood loss (a view + a loss).
+
+Samples are ``Trajectory`` records of (prompt, response[, step map]); the SFT methods are the training views of RL
+(random masking over the block layout for ``semi-ar`` / ``random_masking``, the TraceRL rounds of a step map for
+``trace``), every trained token weighted as the view normalises it. No old log-probabilities are needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from core.schema import replace
+from sample.trajectory import Trajectory
+from train.loss import LossOutput
+from train.policy_trainer import Plan, PolicyTrainer
+from train.settings import SFTTrainingConfig
+from train.views import TrainBatch
+
+
+def sft_sample(prompt_ids: list[int], response_ids: list[int], sample_id: str, step_map: list[int] | None = None,
+               ends_turn: bool = True) -> Trajectory:
+    """A training sample as a trajectory record: without a step map the response decodes left to right."""
+    steps = list(step_map) if step_map is not None else list(range(1, len(response_ids) + 1))
+    return Trajectory(prompt_ids=list(prompt_ids), response_ids=list(response_ids), step_map=steps,
+                      logprobs=[0.0] * len(response_ids), finish_reason="stop" if ends_turn else "length",
+                      sample_id=sample_id, group_id=sample_id)
+
+
+def nll_loss(logp: Tensor, weights: Tensor) -> LossOutput:
+    """-sum(w * log p) over the trained tokens (weights carry the normalisation)."""
+    w = weights.to(logp.device, logp.dtype)
+    loss = -(w * logp).sum()
+    with torch.no_grad():
+        stats = torch.stack([loss.detach(), torch.tensor(float(logp.numel()), device=logp.device),
+                             (-logp.detach()).sum()]).float().tolist()
+    return LossOutput(loss, {"loss": stats[0], "tokens": stats[1], "nll_sum": stats[2]})
+
+
+class SFTTrainer(PolicyTrainer):
+    """Overrides the loss (NLL) and skips old log-probs; everything else is the policy trainer's."""
+
+    def __init__(self, adapter: Any, cfg: SFTTrainingConfig, *args: Any, **kwargs: Any):
+        super().__init__(adapter, replace(cfg, method=cfg.view_method), *args, **kwargs)
+
+    def train_samples(self, samples: Sequence[Trajectory]) -> list[dict[str, float]]:
+        """One optimiser step (or more, with ``samples_per_step``) on SFT samples."""
+        return self.train_step(samples, {s.sample_id: 1.0 for s in samples})
+
+    def compute_old_logprobs(self, plan: Plan) -> dict[str, float]:
+        return {}
+
+    def loss(self, mb: TrainBatch, logp_new: Tensor) -> LossOutput:
+        return nll_loss(logp_new, mb.weights)
