@@ -13,7 +13,7 @@
 Gradient accumulation is deliberately absent from the DeepSpeed configs: it stays "auto", so the value the
 training script passes to ``build_accelerator`` is the one DeepSpeed uses. Multi-node configs use the
 "standard" launcher: run ``accelerate launch --config_file ... --machine_rank i --main_process_ip HOST
---main_process_port PORT`` on every node (REFERENCE 12.2).
+--main_process_port PORT`` on every node (as Gen-Verse/dLLM-RL multinode_rl.py does).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Benchmark of one TraceRL training pass (forward + backward of the policy loss) on a tiny SDAR, on CPU.
 
 Compares, per sample: per-round rows vs the packed layout, and full logits ([R, N, V] then log_softmax over every
-position, the reference's way, REFERENCE 6.6 / 16.28) vs gathered chunked log-probs (LM head on trained positions
+position, the reference's way, Gen-Verse/dLLM-RL train/rl_trado.py) vs gathered chunked log-probs (LM head on trained
+positions
 only). Workload: prompt L0, response L1, block b, ``steps_per_block`` steps per block (each block decodes one
 token per step, so every block has that many rounds), a realistic vocabulary with a small hidden size so the LM
 head matters.

@@ -34,8 +34,10 @@ __all__ = ["ConfigError", "load_config", "load_config_or_exit", "dump_config", "
 ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada"]
 DataType = Literal["math", "code", "option"]
 BUILTIN_DATA_TYPES = {"builtin:arithmetic": "math", "builtin:code": "code"}
-# The only paths where a demo config may build a tiny random model (model.init_tiny_if_missing).
-DEMO_MODEL_DIRS = ("runs/demo/tiny_sdar", "runs/demo/tiny_dream", "runs/demo/tiny_llada", "runs/demo/sft_sdar")
+# The only paths where a demo config may build its starting model (model.init_tiny_if_missing): tiny random models,
+# and the demo SFT's output (the RL demo's starting point).
+DEMO_MODEL_DIRS = ("runs/demo/tiny_sdar", "runs/demo/tiny_dream", "runs/demo/tiny_llada",
+                   "runs/sft_demo/ckpt/optimized")
 
 
 # ----------------------------------------------------------------------------------------------- sections

@@ -3,7 +3,8 @@
     python data/download_data.py --dataset MATH500 [--out data/]
 
 Source: dataset repo ``Gen-Verse/NAME``, file ``{split}/NAME.json`` (split ``train`` for the RL training sets,
-``test`` otherwise; REFERENCE 11.3). Without network access it fails within a few seconds with a one-line
+``test`` otherwise; as Gen-Verse/dLLM-RL data/download_data.py). Without network access it fails within a few seconds
+with a one-line
 message instead of retrying for minutes.
 """
 

@@ -1,4 +1,5 @@
-"""Prompt templates of the reference rollouts (REFERENCE 3.4), rendered through the model's own chat template.
+"""Prompt templates of the reference rollouts (Gen-Verse/dLLM-RL sample/trado_rl_rollout.py), rendered through the
+model's own chat template.
 
 The reference pasted raw template strings per model (and wrote `assistant<think>` without a newline, 16.22); we
 build chat messages and let each tokenizer's chat template produce its special tokens, so one template serves

@@ -22,7 +22,7 @@ from sample.get_trace_viewer import build_trace_html
 from sample.trajectory import Trajectory, write_jsonl
 
 TRACE_SAMPLES = 16
-SFT_DEMO_DIR, SFT_DEMO_CONFIG = "runs/demo/sft_sdar", "configs/demo/sft_demo.yaml"
+SFT_DEMO_DIR, SFT_DEMO_CONFIG = "runs/sft_demo/ckpt/optimized", "configs/demo/sft_demo.yaml"
 
 
 def ensure_demo_model(model_cfg: Any) -> None:

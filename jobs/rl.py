@@ -343,10 +343,17 @@ def run_rl(cfg: Any, progress: bool = True) -> list[dict]:
         print(f"run directory: {job.root}  (steps {first}..{cfg.experiment.total_step}, "
               f"{job.acc.num_processes} process(es), {describe_sandbox(cfg)})", flush=True)
     try:
-        return job.run_steps(first)
+        history = job.run_steps(first)
     finally:
         if job.tracker is not None:
             job.tracker.finish()
+    evals = [m for m in history if "eval_acc" in m]
+    if job.main and len(evals) >= 2:
+        a, b = evals[0], evals[-1]
+        print(f"held-out accuracy ({cfg.evaluation.eval_dataset}): step {a['step']} {a['eval_acc']:.3f} -> step "
+              f"{b['step']} {b['eval_acc']:.3f} ({100 * (b['eval_acc'] - a['eval_acc']):+.1f} points); "
+              f"curves: {job.root / 'curves.png'}", flush=True)
+    return history
 
 
 def start_wandb(cfg: Any) -> Any:

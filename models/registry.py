@@ -177,7 +177,8 @@ def make_adapter(model: Any, tokenizer: Any, model_base: str, block_size: int | 
 def _mask_id(tokenizer: Any, model: Any) -> int:
     mask_id = getattr(tokenizer, "mask_token_id", None)
     if mask_id is None:
-        # The reference silently falls back to the pad id (REFERENCE 16.8): denoising with the wrong token.
+        # The reference silently falls back to the pad id (Gen-Verse/dLLM-RL sample/jetengine_ext/engine/llm_engine.py):
+        # denoising with the wrong token.
         raise ModelLoadError(
             "tokenizer has no mask token (set tokenizer.mask_token, e.g. '<|MASK|>' for TraDo/SDAR, "
             "'<|mask|>' for Dream, '<|mdm_mask|>' for LLaDA)"

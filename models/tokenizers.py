@@ -215,7 +215,7 @@ _QWEN3_ADDED = _QWEN25_ADDED + (
 )  # .. 151668
 
 # family -> (added tokens in id order, mask token, chat template)
-# TraDo/SDAR: Qwen3 added tokens then <|MASK|> 151669 (REFERENCE 2.2).
+# TraDo/SDAR: Qwen3 added tokens then <|MASK|> 151669 (JetAstra/SDAR tokenizer_config.json).
 # Dream/DiffuCoder: Qwen2.5 added tokens then <|beginoftext|> 151665 and <|mask|> 151666 (the config's
 # mask_token_id). Assumption, not verified against the checkpoint files: Dream's list has no <think> tokens.
 _FAMILIES: dict[str, tuple[tuple[tuple[str, bool], ...], str, str]] = {

@@ -1,4 +1,5 @@
-"""Group-normalised rewards (REFERENCE 5.2/5.3), keyed by sample id so nothing can shift (REFERENCE 16.1).
+"""Group-normalised rewards (Gen-Verse/dLLM-RL reward/rl_reward.py, rl_code_reward.py), keyed by sample id so nothing
+can shift (the reference's trainer could shift them).
 
 Every sample carries its own ``sample_id`` and its prompt's ``group_id``. Advantages are per-group z-scores
 with the population std (std 0 -> all zeros). Filters drop whole groups (accuracy band, all-equal scores) and

@@ -1,4 +1,5 @@
-"""Math answer extraction and equivalence checking (REFERENCE 5.1/5.2, fixing defects 16.10).
+"""Math answer extraction and equivalence checking (Gen-Verse/dLLM-RL reward/math_utils.py semantics, without its comma
+stripping and runaway threads).
 
 Pipeline per response: extract the last ``\\boxed{...}`` (optionally "The answer is X"), compare it with the
 ground truth by a conservative string normaliser first, then by ``math_verify``. ``math_verify`` uses

@@ -6,7 +6,7 @@ from-scratch environment and a fresh working directory. For every test it forks 
 rlimits (CPU, address space, file size, process count), drops to a dedicated unprivileged uid when we are
 root, and only then runs the code. Verdicts come from the supervisor, never from the program's exit status:
 a program that exits early (``sys.exit``/``os._exit``/``SystemExit`` at import) passes nothing (fixes
-REFERENCE 16.9). ``sandbox_capabilities()`` tells which mode the current machine supports.
+Gen-Verse/dLLM-RL reward/rl_execute.py). ``sandbox_capabilities()`` tells which mode the current machine supports.
 
 Containment by mode (``sandbox_capabilities()["mode"]``, weakest first):
 - ``none`` (no usable unshare): rlimits, fresh env and workdir, a Python-level socket block (bypassable with
@@ -67,7 +67,8 @@ _RESULT_CAP = 16 << 20
 
 # -------------------------------------------------------------------------------------------- extraction
 def extract_code(text: str | None) -> str | None:
-    """Content of the last fenced ```python block (REFERENCE 3.4), stripped; None if there is none."""
+    """Content of the last fenced ```python block (Gen-Verse/dLLM-RL sample/trado_rl_rollout.py), stripped; None if
+    there is none."""
     if not text:
         return None
     blocks = _FENCE_RE.findall(text)

@@ -2,9 +2,11 @@
 
 Each row's canvas is its prompt followed by G masks (G = max_tokens rounded up to a multiple of block_size);
 the batch is LEFT-padded, pads are invalid keys and position ids skip them, so a row's result does not depend on
-its batch mates (REFERENCE 16.13 not copied). Blocks of ``block_size`` are decoded left to right; ``steps``
+its batch mates (the reference's Dream sampler ignores position ids: Gen-Verse/dLLM-RL sample/dream/modeling_dream.py).
+Blocks of ``block_size`` are decoded left to right; ``steps``
 is spread over the blocks (earlier blocks get the remainder) and, inside a block, the block's masks are spread
-evenly over its steps with no zero-transfer iteration (REFERENCE 16.12 not copied). The remasking strategies are
+evenly over its steps with no zero-transfer iteration (the reference's Dream schedule wastes zero-transfer iterations:
+Gen-Verse/dLLM-RL sample/dream_rl_rollout.py). The remasking strategies are
 the block models' (sample/strategies.py); "low_confidence_dynamic" keeps the block-model rule (every candidate
 with confidence > threshold when there are at least n_t of them, else the top n_t), not the reference's
 ">= threshold, else the single best". Every row keeps its own step counter starting at 1 (the reference shares

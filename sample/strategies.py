@@ -1,8 +1,10 @@
-"""Token sampling and remasking strategies (REFERENCE 3.1), vectorised over a batch of rows.
+"""Token sampling and remasking strategies (as in Gen-Verse/dLLM-RL sample/jetengine_ext/engine/scheduler.py),
+vectorised over a batch of rows.
 
 Every function works on candidate grids ``[R, K]``: R rows, K candidate positions per row given in position
 order (left to right). ``candidate`` marks positions that are still masked; nothing outside it is ever selected
-(REFERENCE 16.5: the reference's top-k could overwrite decoded or prompt tokens).
+(the reference engine's top-k could overwrite decoded or prompt-tail tokens: Gen-Verse/dLLM-RL
+sample/jetengine_ext/engine/scheduler.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Folders shaped like the public checkpoints (their config.json keys, their state-dict names) load unchanged.
 
-Sizes are shrunk; every other field is as published (REFERENCE 2.2, 2.4, 2.5), including keys we do not use
+Sizes are shrunk; every other field is as published (SDAR, Dream and LLaDA hub config.json files), including keys we do
+not use
 (auto_map, attn_implementation, torch_dtype, OLMo options), so `from_pretrained(local_dir)` on a real download
 takes the same path.
 """

@@ -119,7 +119,7 @@ def test_from_task_uses_dataset_fields():
      "exit()", "import os, sys\nsys.stdout.flush()\nos.kill(os.getpid(), 9)"],
 )
 def test_exiting_early_passes_nothing(exit_code):
-    """REFERENCE 16.9: exiting at import time used to pass every test."""
+    """Gen-Verse/dLLM-RL reward/rl_execute.py: exiting at import time used to pass every test."""
     bad = run_then_good(fn_job("def f(x):\n    return x + 1\n" + exit_code))
     assert bad.pass_fraction == 0.0 and bad.passed == 0
     assert bad.reason in ("exited", "killed")

@@ -1,4 +1,4 @@
-"""Group normalisation and filtering, keyed by sample id (REFERENCE 5.2, 5.3, 16.1)."""
+"""Group normalisation and filtering, keyed by sample id (reward/rl_reward.py and rl_code_reward.py semantics)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_advantages_are_keyed_by_id_not_position():
 
 
 def test_dropping_a_sample_later_never_shifts_other_rewards():
-    """REFERENCE 16.1: a prompt dropped for length must not move any other sample's reward."""
+    """A prompt dropped for length must not move any other sample's reward."""
     res = group_advantages(MIXED)
     later = res.drop(["a1", "c0"], "prompt_too_long")
     assert later.kept == [sid for sid in res.kept if sid not in ("a1", "c0")]

@@ -88,7 +88,8 @@ def test_dynamic_commits_above_threshold_in_one_step(sdar):
 
 
 def test_reference_parity_step_ids_with_prompt_tail(sdar):
-    """REFERENCE 17.7: b=4, 4 steps, P mod 4 = 2, static: first block steps {1, 2}, next block {3..6}."""
+    """As the reference engine's trace: b=4, 4 steps, P mod 4 = 2, static: first block steps {1, 2}, next block
+    {3..6}."""
     traj = generate(sdar, prompts_of((6,)), _greedy(max_tokens=6), progress=False)[0]
     assert set(traj.step_map[:2]) == {1, 2}
     assert set(traj.step_map[2:6]) == {3, 4, 5, 6}

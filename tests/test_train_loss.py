@@ -1,4 +1,4 @@
-"""Policy loss (REFERENCE 17.5 + a clipped case by hand), gathered log-probs, LR schedules."""
+"""Policy loss (ratio 1 case of the reference's loss + a clipped case by hand), gathered log-probs, LR schedules."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_gathered_chunked_logprobs_equal_full_logits_and_grads():
     assert a.dtype == torch.float32
 
 
-# ---------------------------------------------------------------- schedules (REFERENCE 15 fixed)
+# ---------------------------------------------------------------- schedules (a real min_lr_scale floor, stepped once)
 
 
 def test_cosine_has_a_real_floor_and_never_rises_again():

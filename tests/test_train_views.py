@@ -1,6 +1,7 @@
 """Training views: shrink, TraceRL rounds, layouts, positions, post_num, filtering, random / coupled masking.
 
-Hand-computed expectations follow REFERENCE 17 items 1-4, adapted to our conventions (blocks at absolute
+Hand-computed expectations follow the reference's TraceRL construction (Gen-Verse/dLLM-RL train/rl_trado.py), adapted to
+our conventions (blocks at absolute
 positions, explicit position ids, no left padding).
 """
 
@@ -65,7 +66,7 @@ def trained_sets(batch) -> dict[int, list[int]]:
     return {u: sorted(v) for u, v in out.items()}
 
 
-# ---------------------------------------------------------------- REFERENCE 17.1: shrink
+# ---------------------------------------------------------------- shrink
 
 
 def test_collapse_k_unique_matches_reference_example():
@@ -83,13 +84,13 @@ def test_shrink_is_applied_per_block_for_block_models():
     assert not batch.exact
 
 
-# ---------------------------------------------------------------- REFERENCE 17.2: rounds
+# ---------------------------------------------------------------- rounds
 
 
 def test_rounds_worked_example_prompt_multiple_of_block():
     t = traj([5, 6], [20, 21, 22, 23, 24], [3, 1, 4, 4, 6])
     batch = build_view([t], {"a": 1.0}, ViewConfig(layout="per_round"), BLOCK2)
-    assert trained_sets(batch) == {0: [1, 2, 3, 4], 1: [0]}  # T_1, T_2 of REFERENCE 6.3
+    assert trained_sets(batch) == {0: [1, 2, 3, 4], 1: [0]}  # T_1, T_2 of the reference's one_round_vectorized
     # row 0 = [clean p0 p1 y0 y1 y2 y3 | copy of blocks 1,2,3, everything masked (M_1 = {0..4})]
     assert batch.input_ids[0].tolist() == [5, 6, 20, 21, 22, 23, MASK, MASK, MASK, MASK, MASK]
     # row 1 = [clean p0 p1 | copy of block 1 only, y0 masked, y1 visible (M_2 = {0})], right padded
@@ -132,7 +133,7 @@ def test_tail_tokens_are_masked_context_never_trained():
     assert batch.input_ids[1].tolist() == [5, 6, 7, 20, MASK, 30]
 
 
-# ---------------------------------------------------------------- REFERENCE 17.3: visibility
+# ---------------------------------------------------------------- visibility
 
 
 def _matrix(text: str) -> torch.Tensor:
@@ -184,7 +185,7 @@ def test_layout_visibility_packed_row_by_hand():
     assert torch.equal(batch.layout.dense_mask()[0, 0], expected)
 
 
-# ---------------------------------------------------------------- REFERENCE 17.4: positions
+# ---------------------------------------------------------------- positions
 
 
 def test_position_ids_are_explicit_and_rows_right_padded():

@@ -1,6 +1,7 @@
 """Log-probabilities of trained tokens only: gather hidden states [T, H], then the LM head in chunks.
 
-Never materialises [batch, seq, vocab] logits (DESIGN.md, performance shape; REFERENCE 16.28). Each chunk's
+Never materialises [batch, seq, vocab] logits (DESIGN.md, performance shape; the reference computes logits at every
+position, Gen-Verse/dLLM-RL train/rl_trado.py). Each chunk's
 logits are computed in fp32 for the log-softmax and, when gradients are needed, recomputed in the backward pass
 (activation checkpointing per chunk), so peak memory is O(chunk x vocab) instead of O(T x vocab).
 """
@@ -51,7 +52,8 @@ def gathered_logprobs(logits_fn: LogitsFn, hidden: Tensor, rows: Tensor, cols: T
 
 def full_logits_logprobs(logits_fn: LogitsFn, hidden: Tensor, rows: Tensor, cols: Tensor,
                          labels: Tensor) -> Tensor:
-    """The reference's way (REFERENCE 6.6): [R, N, V] logits, log-softmax over everything, then gather.
+    """The reference's way (Gen-Verse/dLLM-RL train/rl_trado.py forward_process): [R, N, V] logits, log-softmax over
+    everything, then gather.
 
     Kept only as the baseline of ``bench/train.py`` and as a cross-check in tests.
     """

@@ -1,11 +1,12 @@
-"""The clipped policy-gradient loss on trained tokens (REFERENCE 6.8, one loss for every view and family).
+"""The clipped policy-gradient loss on trained tokens (Gen-Verse/dLLM-RL train/rl_trado.py forward_process; one loss for
+every view and family).
 
 Per token: delta = clamp(logp_new - logp_old, -10, 10), ratio = exp(delta),
 surr = min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A); KL to the old policy with weight ``beta`` (k3:
 exp(clamp(-d, -10, 10)) - 1 + d, or the plain log-ratio d), optionally KL to a frozen reference model with weight
 ``ref_beta``. loss = -sum(w * surr) + beta * sum(w * kl) + ref_beta * sum(w * kl_ref). The weights w already hold
 the normalisation (see train/views.py), so summing micro-batch losses gives the step loss. The reference's
-full-attention loss (7.3: no clamp, unnormalised KL, REFERENCE 16.14) is not reproduced.
+full-attention loss (train/rl_dream.py: no clamp, unnormalised KL) is not reproduced.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Designed to be subclassed (the value-model trainer does): override the hooks
 * ``after_step(metrics)`` -> called after every optimiser step (logging, checkpoints).
 Per-token extras a subclass needs (old values, returns) ride along in ``TrainBatch.extra``.
 
-Optimisation (fixing REFERENCE 6.9 / 15): loss weights are normalised over each optimiser step's batch by the view,
+Optimisation (fixing the reference's double division and per-process LR stepping, Gen-Verse/dLLM-RL train/rl_trado.py):
+loss weights are normalised over each optimiser step's batch by the view,
 so micro-batch losses add up and gradient accumulation divides exactly once (accelerate / DeepSpeed divide by their
 accumulation count; the trainer undoes it); the LR schedule is advanced once per optimiser step and honours
 ``min_lr_scale``; rows are shuffled with a seed. Works single-process without a launcher, and under DDP or

@@ -1,6 +1,7 @@
 """Learning-rate schedules with a real floor, advanced exactly once per optimiser step.
 
-REFERENCE 15: the reference's cosine ignores ``min_lr_scale`` and is advanced ``num_processes`` times per call by
+The reference's cosine (Gen-Verse/dLLM-RL models/lr_schedulers.py) ignores ``min_lr_scale`` and is advanced
+``num_processes`` times per call by
 accelerate's scheduler wrapper, so on 8 GPUs it passes its minimum early and rises again. Here the factor is a pure
 function of the optimiser step, the LR is written into the optimiser's parameter groups directly (no accelerate
 wrapper, so nothing is multiplied by the world size), and after ``total_steps`` the factor stays at the floor.

@@ -1,8 +1,9 @@
 """Training views: pure functions from sampled trajectories (+ advantages) to the tensors the trainer consumes.
 
 A view reproduces the context each response token had when the sampler decoded it, so that the trainer's
-log-prob of a token equals the sampler's recorded one for the same weights (DESIGN.md invariant; REFERENCE 6.10
-is the defect we avoid). All views return a ``TrainBatch``: input ids, position ids and an ``AttentionLayout`` per
+log-prob of a token equals the sampler's recorded one for the same weights (the reference's trainer aligns blocks to
+the response start instead of absolute positions, a defect we avoid: Gen-Verse/dLLM-RL train/rl_trado.py). All views
+return a ``TrainBatch``: input ids, position ids and an ``AttentionLayout`` per
 row, plus flat vectors over the trained tokens (row, hidden index, label, advantage, old log-prob, loss weight...).
 
 Block models (block size b, prompt length P): blocks sit at ABSOLUTE positions, block k = [k*b, (k+1)*b); the first
@@ -19,7 +20,8 @@ tail with every response/tail token of step >= v masked; trained = response toke
 Exact when sampled with cache "none" and shrink 1.
 
 Filtering: a prompt longer than ``max_prompt_len`` drops its trajectory (reported in ``TrainBatch.dropped``);
-advantages are looked up by ``sample_id``, so no other sample shifts (REFERENCE 16.1). ``max_gen_length`` cuts
+advantages are looked up by ``sample_id``, so no other sample shifts (the reference indexes rewards by row after
+dropping rows, Gen-Verse/dLLM-RL train/rl_trado.py). ``max_gen_length`` cuts
 responses with their step maps; for block models the cut tokens of the last kept block stay as masked/visible
 context (still exact), for full attention they are dropped (the view is then marked inexact).
 
@@ -35,10 +37,11 @@ micro-batches of one optimiser step simply add up (gradient accumulation divides
 * ``row_mean`` (reference full attention, 7.3): mean over the tokens of a unit, then mean over units;
 * ``token_mean``: mean over all trained tokens.
 
-``post_num``: responses are cut at their stop token, so the generated stop token is always trained (REFERENCE 16.4
-fixed). ``post_num`` only limits the other pad-id tokens of a response: the first ``post_num`` of them (counted
-left to right over the whole response, not per row; REFERENCE 16.15) are trained, later ones stay in the input as
-context but are not trained.
+``post_num``: responses are cut at their stop token, so the generated stop token is always trained (the reference drops
+it, since its pad id is the EOS). ``post_num`` only limits the other pad-id tokens of a response: the first ``post_num``
+of them (counted
+left to right over the whole response, not per row) are trained, later ones stay in the input as context but are
+not trained.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ class TrainBatch:
         return replace(self, weights=weights)
 
 
-# ---------------------------------------------------------------- shrink (REFERENCE 6.2)
+# ---------------------------------------------------------------- shrink (the reference's collapse_k_unique)
 
 
 def group_ranks(group: Tensor, steps: Tensor, shrink: int = 1) -> tuple[Tensor, Tensor]:
@@ -189,7 +192,7 @@ def group_ranks(group: Tensor, steps: Tensor, shrink: int = 1) -> tuple[Tensor, 
 
 
 def collapse_k_unique(steps: Sequence[int] | Tensor, k: int) -> list[int]:
-    """REFERENCE 6.2: ``[5,3,3,7]``, k=2 -> ``[5,5,5,7]``; k=1 is the identity."""
+    """As the reference's collapse_k_unique: ``[5,3,3,7]``, k=2 -> ``[5,5,5,7]``; k=1 is the identity."""
     steps = torch.as_tensor(steps, dtype=torch.long)
     return group_ranks(torch.zeros_like(steps), steps, k)[1].tolist()
 
@@ -216,7 +219,8 @@ class _Sample:
 
 def prepare_samples(trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
                     cfg: ViewConfig, ids: ViewIds) -> tuple[list[_Sample], list[tuple[str, str]]]:
-    """Filter (over-long prompt, empty response), truncate and attach advantages BY sample_id (REFERENCE 16.1)."""
+    """Filter (over-long prompt, empty response), truncate and attach advantages BY sample_id (the reference indexes
+    rewards by row after dropping rows, Gen-Verse/dLLM-RL train/rl_trado.py)."""
     seen: set[str] = set()
     samples, dropped = [], []
     for traj in trajectories:
@@ -360,7 +364,7 @@ def _noise_masks(n: int, cfg: ViewConfig, gen: torch.Generator) -> Tensor:
     d = cfg.mask_times_per_sample
     if cfg.random_mask_mode == "per_sequence":
         level = torch.empty(d, 1).uniform_(cfg.lower_p, cfg.upper_p, generator=gen)
-    else:  # the reference's per-position draw (REFERENCE 8.1)
+    else:  # the reference's per-position draw (Gen-Verse/dLLM-RL train/rl_trado.py random_masking)
         level = torch.empty(d, n).uniform_(cfg.lower_p, cfg.upper_p, generator=gen)
     masks = torch.rand(d, n, generator=gen) < level
     if cfg.method == "coupled":

@@ -6,7 +6,8 @@ from transformers import PretrainedConfig
 
 
 class DreamConfig(PretrainedConfig):
-    """Field names and defaults follow Dream's configuration (REFERENCE 2.4): mask 151666, pad 151643."""
+    """Field names and defaults follow Dream's configuration (Gen-Verse/dLLM-RL models/dream/configuration_dream.py):
+    mask 151666, pad 151643."""
 
     model_type = "Dream"
     keys_to_ignore_at_inference = ["past_key_values"]

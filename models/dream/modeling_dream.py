@@ -2,7 +2,8 @@
 
 Adapted from an autoregressive model, Dream keeps the AR logit convention: the logit at position i-1 predicts the
 token at position i (the adapter exposes this as ``shift_logits``). Position ids are honoured (the reference's
-sampling copy ignores them, REFERENCE 2.4), so left padding does not shift positions.
+sampling copy, Gen-Verse/dLLM-RL sample/dream/modeling_dream.py, ignores them), so left padding does not shift
+positions.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ from transformers import PretrainedConfig
 
 
 class LLaDAConfig(PretrainedConfig):
-    """Keeps the checkpoint's OLMo names (d_model, n_heads, n_layers, mlp_hidden_size, ...) (REFERENCE 2.5).
+    """Keeps the checkpoint's OLMo names (d_model, n_heads, n_layers, mlp_hidden_size, ...) (Gen-Verse/dLLM-RL
+    models/llada/configuration_llada.py).
 
     Unknown OLMo keys of the hub config (alibi, init_fn, precision, ...) are kept as plain attributes; options we
     do not implement (alibi, attention layer norm, non-llama blocks) are rejected so a checkpoint never runs with
@@ -82,7 +83,8 @@ class LLaDAConfig(PretrainedConfig):
 
 
 class MMadaConfig(LLaDAConfig):
-    """MMaDA's text model: LLaDA's architecture and parameter names (REFERENCE 2.6)."""
+    """MMaDA's text model: LLaDA's architecture and parameter names (Gen-Verse/dLLM-RL
+    models/mmada/modeling_mmada.py)."""
 
     model_type = "mmada"
 

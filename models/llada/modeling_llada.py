@@ -1,7 +1,8 @@
 """LLaDA / MMaDA: an OLMo-style LLaMA decoder trained from scratch as a masked diffusion model.
 
 Full bidirectional attention with a real key-padding mask: pads never influence real tokens (the reference either
-attends to pads or silently turns causal when given a mask, REFERENCE 2.5). Position ids skip left padding.
+attends to pads or silently turns causal when given a mask: Gen-Verse/dLLM-RL models/llada/modeling_llada.py). Position
+ids skip left padding.
 Parameter names equal the public checkpoints' (``model.transformer.{wte, blocks.i.*, ln_f, ff_out}``).
 """
 
@@ -107,6 +108,7 @@ class LLaDAModelLM(LMHeadMixin, LLaDAPreTrainedModel):
 
 
 class MMadaModelLM(LLaDAModelLM):
-    """MMaDA's text model: identical parameter names, `model_type` "mmada" (REFERENCE 2.6)."""
+    """MMaDA's text model: identical parameter names, `model_type` "mmada" (Gen-Verse/dLLM-RL
+    models/mmada/modeling_mmada.py)."""
 
     config_class = MMadaConfig

@@ -6,7 +6,8 @@ from transformers import PretrainedConfig
 
 
 class SDARConfig(PretrainedConfig):
-    """Field names and defaults follow SDAR-*-Chat `config.json` (REFERENCE 2.2), so hub folders load as they are."""
+    """Field names and defaults follow SDAR-*-Chat `config.json` (JetAstra/SDAR
+    training/model/SDAR-4B-Chat/config.json), so hub folders load as they are."""
 
     model_type = "sdar"
     keys_to_ignore_at_inference = ["past_key_values"]
