@@ -26,7 +26,13 @@ from core.loader import ConfigError, load, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
-from train.settings import LRSchedulerConfig, OptimizerConfig, RLTrainingConfig, SFTTrainingConfig
+from train.settings import (
+    LRSchedulerConfig,
+    OptimizerConfig,
+    RLOptimizerConfig,
+    RLTrainingConfig,
+    SFTTrainingConfig,
+)
 
 __all__ = ["ConfigError", "load_config", "load_config_or_exit", "dump_config", "infer_kind", "SCHEMAS",
            "RLConfig", "EvalConfig", "SFTConfig", "DEMO_MODEL_DIRS"]
@@ -61,6 +67,7 @@ class ExperimentConfig(Settings):
 class RLExperimentConfig(ExperimentConfig):
     """The RL loop: steps, checkpoints, resume, launcher."""
 
+    train_value_every: int = bounded(1, 1)  # value model: train it every N steps (advantages use it every step)
     start_from_scratch: bool = True  # false = resume from the run directory's last complete step
     total_step: int = bounded(80, 1)  # RL steps in the whole run
     save_every: int = bounded(10, 1)  # checkpoint every N steps (and at the end)
@@ -91,6 +98,13 @@ class ModelConfig(Settings):
 @dataclass
 class TrainModelConfig(ModelConfig):
     optimized_name: str = "optimized"  # rolling checkpoint {output_dir}/{project}/ckpt/{optimized_name}
+
+
+@dataclass
+class RLModelConfig(TrainModelConfig):
+    # A policy checkpoint to initialise a value model from (zero head); setting it enables value-guided TraceRL.
+    value_base_model: str | None = None
+    optimized_value_name: str = "optimized_value"  # {output_dir}/{project}/ckpt/{optimized_value_name}
 
 
 @dataclass
@@ -271,13 +285,13 @@ class RLConfig(Settings):
     """rl.py."""
 
     experiment: RLExperimentConfig = field(default_factory=RLExperimentConfig)
-    model: TrainModelConfig = field(default_factory=TrainModelConfig)
+    model: RLModelConfig = field(default_factory=RLModelConfig)
     dataset: RLDatasetConfig = field(default_factory=RLDatasetConfig)
     rollout: RLRollout = field(default_factory=RLRollout)
     execute: SandboxConfig = field(default_factory=SandboxConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     training: RLTrainingConfig = field(default_factory=RLTrainingConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: RLOptimizerConfig = field(default_factory=RLOptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -319,14 +333,10 @@ class SFTConfig(Settings):
 SCHEMAS: dict[str, type] = {"rl": RLConfig, "eval": EvalConfig, "sft": SFTConfig}
 FOLLOWS = {"rl": {"evaluation": "rollout"}}
 
-_NOT_YET = "not supported yet: the value model is a coming feature"
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "rl": {
         "model.process_reward_model": "the process-reward (RLHF) pipeline of the reference is not implemented",
         "rollout.reward_model": "the process-reward (RLHF) pipeline of the reference is not implemented",
-        "model.value_base_model": _NOT_YET, "model.optimized_value_name": _NOT_YET,
-        "experiment.train_value_every": _NOT_YET, "training.gam": _NOT_YET, "training.lam": _NOT_YET,
-        "optimizer.params.value_learning_rate": _NOT_YET, "optimizer.params.policy_learning_rate": _NOT_YET,
     },
     "eval": {},
     "sft": {},

@@ -24,6 +24,7 @@ is keyed by (seed, step), so the resumed run reproduces the uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -36,18 +37,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils import DistributedType
+
 from core.config import config_text
 from core.files import RunDirError, write_atomic
+from core.schema import replace as replace_settings
 from core.schema import to_dict
 from jobs.checkpoint import is_complete, load_checkpoint, save_checkpoint
 from jobs.dist import barrier, is_main
 from jobs.evaluate import default_device, ensure_demo_model, evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
 from models.registry import load_model
+from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages
 from sample.trajectory import Trajectory, write_jsonl
 from train.accelerator import build_accelerator
 from train.policy_trainer import PolicyTrainer
+from train.value_trainer import ValueTrainer, value_advantages
 
 STEP_PREFIX, PARTIAL = "step_", ".partial"
 # Keys that may change when a run is resumed (the rest must match the run's config.yaml).
@@ -169,16 +175,39 @@ class RLJob:
         ref = None
         if cfg.training.ref_beta > 0:  # a frozen copy of the starting policy for the reference KL
             ref = load_model(_with_path(cfg.model, cfg.model.pretrained_model), device=default_device()).model
-        self.trainer = PolicyTrainer(self.adapter, cfg.training, cfg.optimizer.params, cfg.lr_scheduler,
+        params = cfg.optimizer.params
+        policy_params = replace_settings(params, learning_rate=params.policy_learning_rate or params.learning_rate)
+        self.trainer = PolicyTrainer(self.adapter, cfg.training, policy_params, cfg.lr_scheduler,
                                      total_steps=self._optimizer_steps(), accelerator=self.acc, ref_model=ref)
+        self.value = self._value_trainer(resume_from) if cfg.model.value_base_model else None
         self.tracker = start_wandb(cfg) if self.main else None
         if resume_from is not None:
             self._load_trainer(self.run.step(resume_from) / "ckpt")
+            if self.value is not None:
+                load_checkpoint(self.value, self.run.step(resume_from) / "ckpt" / "value")
         if self.main:
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / "config.yaml", config_text(cfg))
         barrier(self.acc)
         return 1 if resume_from is None else resume_from + 1
+
+    def _value_trainer(self, resume_from: int | None) -> ValueTrainer:
+        """The value model: initialised from ``model.value_base_model`` (zero head), or its checkpoint."""
+        cfg = self.cfg
+        if self.acc.distributed_type == DistributedType.DEEPSPEED:
+            raise RunDirError("the value model does not run under DeepSpeed yet (one accelerator holds one "
+                              "DeepSpeed engine); use DDP or a single process")
+        if resume_from is not None:
+            model = load_value_model(self.run.step(resume_from) / "ckpt" / "value" / "policy")
+        else:
+            base = load_model(_with_path(cfg.model, cfg.model.value_base_model), device="cpu").model
+            model = value_model_from_policy(base)
+            del base
+        model = model.to(next(self.adapter.model.parameters()).device)
+        adapter = dataclasses.replace(self.adapter, model=model)
+        params = replace_settings(cfg.optimizer.params, learning_rate=cfg.optimizer.params.value_learning_rate)
+        steps = math.ceil(cfg.experiment.total_step / cfg.experiment.train_value_every) * cfg.training.num_train_epochs
+        return ValueTrainer(adapter, cfg.training, params, cfg.lr_scheduler, total_steps=steps, accelerator=self.acc)
 
     def _check_run_dir(self) -> int | None:
         """None for a fresh run (the directory must be empty unless overwrite); else the step to resume from."""
@@ -245,11 +274,19 @@ class RLJob:
         advantages, summary = self._timed("advantage", lambda: self._advantages(trajs))
         kept = [t for t in trajs if t.sample_id in advantages]
         train_metrics: list[dict] = []
+        value_metrics: dict = {}
         if kept:
-            train_metrics = self._timed("train", lambda: self.trainer.train_step(kept, advantages))
+            policy_adv: dict = advantages
+            if self.value is not None:  # value-guided TraceRL: per-token step-level GAE advantages
+                policy_adv, returns = self._timed("values", lambda: self._gae(kept, advantages))
+                if step % cfg.experiment.train_value_every == 0:
+                    value_metrics = _value_summary(self._timed("train_value",
+                                                               lambda: self.value.train_step(kept, returns)))
+            train_metrics = self._timed("train", lambda: self.trainer.train_step(kept, policy_adv))
         else:
             self.trainer.rl_step += 1  # keep the step-keyed random draws aligned with the step number
-        metrics = {"step": step, **_rollout_metrics(trajs, stats), **summary, **_train_summary(train_metrics)}
+        metrics = {"step": step, **_rollout_metrics(trajs, stats), **summary, **_train_summary(train_metrics),
+                   **value_metrics}
         if cfg.experiment.eval_every and (step % cfg.experiment.eval_every == 0 or step == cfg.experiment.total_step):
             metrics.update(self._timed("eval", lambda: self._evaluate(out)))
         if step % cfg.experiment.save_every == 0 or step == cfg.experiment.total_step:
@@ -261,6 +298,11 @@ class RLJob:
             write_jsonl(trajs, out / "rollouts.jsonl")
             self._write_metrics(out, metrics)
         return metrics
+
+    def _gae(self, kept: list[Trajectory], rewards: dict[str, float]) -> tuple[dict, dict]:
+        values = self.value.token_values(kept)
+        t = self.cfg.training
+        return value_advantages(kept, rewards, values, t.gam, t.lam)
 
     def _timed(self, name: str, fn):
         start = time.perf_counter()
@@ -309,6 +351,8 @@ class RLJob:
         return self.run.step(step) / "ckpt" / "policy"
 
     def _save(self, ckpt: Path) -> None:
+        if self.value is not None:
+            save_checkpoint(self.value, ckpt / "value")
         save_checkpoint(self.trainer, ckpt)
 
     def _load_trainer(self, ckpt: Path) -> None:
@@ -332,6 +376,9 @@ class RLJob:
         step = metrics["step"]
         if is_complete(self.run.step(step) / "ckpt"):
             _link(self.root / "ckpt" / self.cfg.model.optimized_name, self._policy_dir(step))
+            if self.value is not None:
+                _link(self.root / "ckpt" / self.cfg.model.optimized_value_name,
+                      self.run.step(step) / "ckpt" / "value" / "policy")
         print(format_line(metrics, self.cfg.experiment.total_step), flush=True)
 
 
@@ -418,6 +465,14 @@ def _train_summary(step_metrics: list[dict]) -> dict:
     return out
 
 
+def _value_summary(step_metrics: list[dict]) -> dict:
+    if not step_metrics:
+        return {}
+    n = max(sum(m.get("tokens", 0.0) for m in step_metrics), 1.0)
+    return {"value_loss": sum(m["loss"] for m in step_metrics) / len(step_metrics),
+            "value_abs_err": sum(m.get("value_abs_err_sum", 0.0) for m in step_metrics) / n}
+
+
 def format_line(m: dict, total: int) -> str:
     """The one line printed per step."""
     step = m["step"]
@@ -428,6 +483,8 @@ def format_line(m: dict, total: int) -> str:
         if "approx_kl" in m:
             parts += [f"kl {m['approx_kl']:.4f}", f"clip {m['clip_frac']:.3f}"]
         parts.append(f"ent {m['entropy']:.2f}")
+        if "value_loss" in m:
+            parts.append(f"vloss {m['value_loss']:.4f}")
     if "eval_acc" in m:
         parts.append(f"eval_acc {m['eval_acc']:.3f}")
     secs = m.get("seconds", {})

@@ -17,7 +17,7 @@ from train.settings import LossConfig, OptimizerParams, RLTrainingConfig, ViewCo
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "demo").glob("*.yaml"))
 # Shipped configs of features that are not in the repository yet: they must fail with "not supported yet".
-NOT_YET = {"rl_trado_with_value.yaml"}
+NOT_YET: set[str] = set()
 MINIMAL_RL = "model:\n  pretrained_model: some/model\n  model_base: trado\ndataset:\n  train_dataset: MATH_train\n"
 MINIMAL_EVAL = "model: {pretrained_model: m, model_base: sdar}\ndataset: {eval_dataset: MATH500}\n"
 
@@ -224,7 +224,8 @@ def test_required_marker_in_an_override_is_refused(tmp_path):
     ("training.lower_p=0.95", "key 'training.lower_p': lower_p (0.95) exceeds upper_p"),
     ("reward.acc_low=0.9", "key 'reward.acc_low'"),
     ("training.method=ppo", "key 'training.method'"),
-    ("model.value_base_model=x", "unsupported key 'model.value_base_model': not supported yet"),
+    ("model.process_reward_model=x", "unsupported key 'model.process_reward_model': the process-reward"),
+    ("training.gam=1.5", "key 'training.gam': gam must be in [0.0, 1.0]"),
     ("rollout.tensor_parallel_size=2", "tensor parallelism is not supported"),
     ("dataset.train_dataset=builtin:code", "key 'dataset.data_type'"),
     ("execute.memory_mb=-1", "key 'execute.memory_mb'"),

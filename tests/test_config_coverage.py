@@ -110,6 +110,7 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch):
               "training.max_prompt_len=512", "wandb.enabled=true", "wandb.entity=lab", f"system.base_dir={ROOT}"]
     runs = [
         [*common, f"model.pretrained_model={sdar}", "experiment.project=a", "training.ref_beta=0.1",
+         f"model.value_base_model={sdar}", "training.gam=0.9", "training.lam=0.8",
          "training.check_sampler_logp=true", "training.eps_high=0.3", "training.samples_per_step=2",
          "rollout.remasking_strategy=low_confidence_dynamic", "evaluation.top_k=[0,0]",
          "evaluation.remasking_strategy=[entropy_bounded,low_confidence_dynamic]"],

@@ -89,6 +89,8 @@ class RLTrainingConfig(TrainerSettings, ViewConfig, LossConfig):
     # update (the reference's way; inexact views always recompute).
     old_logp: Literal["sampler", "recompute"] = "sampler"
     check_sampler_logp: bool = False  # also recompute in "sampler" mode, to log the max |difference|
+    gam: float = bounded(1.0, 0.0, 1.0)  # value model: discount over denoising steps
+    lam: float = bounded(1.0, 0.0, 1.0)  # value model: GAE lambda
 
 
 @dataclass
@@ -108,6 +110,19 @@ class OptimizerConfig(Settings):
 
     name: Literal["adamw"] = "adamw"
     params: OptimizerParams = field(default_factory=OptimizerParams)
+
+
+@dataclass
+class RLOptimizerParams(OptimizerParams):
+    """RL jobs with a value model train two models, each with its own learning rate."""
+
+    policy_learning_rate: float | None = bounded(None, 0.0)  # null = learning_rate
+    value_learning_rate: float = bounded(5e-6, 0.0)  # the value model's (reference default 5e-6)
+
+
+@dataclass
+class RLOptimizerConfig(OptimizerConfig):
+    params: RLOptimizerParams = field(default_factory=RLOptimizerParams)
 
 
 @dataclass

@@ -1,0 +1,116 @@
+"""ValueTrainer: the policy trainer's views, micro-batching, accumulation and DeepSpeed handling, with values as the
+outputs and the clipped value loss (only the hooks differ).
+
+A token's value is read at its masked copy in the round where it was decoded: the state just before its decoding
+step (the same row the policy's log-prob of that token comes from). In the value trainer's batches the per-token
+slots ``advantages`` and ``old_logprobs`` carry the returns R and the old values V:
+
+    loss = sum_t w_t * 0.5 * max((v - R)^2, (v_clip - R)^2),   v_clip = V + clamp(v - V, -eps, eps)
+
+:meth:`ValueTrainer.token_values` reads the values of every trainable response token of a batch of trajectories
+(for GAE); :func:`value_advantages` turns them and the samples' rewards into per-token advantages and returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sample.trajectory import Trajectory
+from train.gae import outcome_token_rewards, step_gae
+from train.loss import LossOutput
+from train.policy_trainer import Plan, PolicyTrainer
+from train.views import TrainBatch
+
+
+def value_loss(v: Tensor, v_old: Tensor, returns: Tensor, weights: Tensor, eps: float) -> LossOutput:
+    """The clipped value loss over T trained tokens (weights carry the normalisation)."""
+    v_old, returns, weights = (t.to(v.device, v.dtype) for t in (v_old, returns, weights))
+    v_clip = v_old + torch.clamp(v - v_old, -eps, eps)
+    per_token = 0.5 * torch.maximum((v - returns) ** 2, (v_clip - returns) ** 2)
+    loss = (weights * per_token).sum()
+    with torch.no_grad():
+        stats = torch.stack([loss.detach(), torch.tensor(float(v.numel()), device=v.device),
+                             (v - returns).abs().sum().detach()]).float().tolist()
+    return LossOutput(loss, {"loss": stats[0], "tokens": stats[1], "value_abs_err_sum": stats[2]})
+
+
+class ValueTrainer(PolicyTrainer):
+    """Trains a value model (``adapter.model`` is a ``models.value.ValueModel``) on per-token returns."""
+
+    def values(self, model: Any, mb: TrainBatch) -> Tensor:
+        """fp32 values at the trained tokens' own (masked) columns."""
+        mb = mb.to(self.accelerator.device)
+        with self.accelerator.autocast():
+            v = model(input_ids=mb.input_ids, position_ids=mb.position_ids, layout=mb.layout)
+        return v[mb.rows, mb.token_cols].float()
+
+    def compute_old_logprobs(self, plan: Plan) -> dict[str, float]:
+        """Old values (before any update) into the ``old_logprobs`` slot."""
+        with torch.no_grad():
+            self.model.eval()
+            for micro in plan:
+                for mb in micro:
+                    mb.old_logprobs = self.values(self.model, mb).cpu()
+        return {}
+
+    def model_outputs(self, mb: TrainBatch) -> Tensor:
+        return self.values(self.model, mb)
+
+    def loss(self, mb: TrainBatch, v: Tensor) -> LossOutput:
+        return value_loss(v, mb.old_logprobs, mb.advantages, mb.weights, self.cfg.eps)
+
+    def token_values(self, trajectories: Sequence[Trajectory]) -> dict[str, Tensor]:
+        """Per sample id, the value of every response token at the state before its decoding step (NaN for tokens
+        that are not trained, e.g. pads beyond ``post_num``); every process gets every sample's values."""
+        zero = {t.sample_id: 0.0 for t in trajectories}
+        batches = self.build_views(trajectories, zero)
+        out: dict[str, Tensor] = {t.sample_id: torch.full((len(t.response_ids),), float("nan"))
+                                  for t in trajectories}
+        found = []
+        with torch.no_grad():
+            self.model.eval()
+            for batch in batches:
+                for mb in self.micro_batches(batch, 0, shuffle=False):
+                    v = self.values(self.model, mb).cpu()
+                    ids = [mb.sample_ids[int(i)] for i in mb.sample_index]
+                    found += list(zip(ids, mb.token_index.tolist(), v.tolist(), strict=True))
+        for sid, i, value in _gather(self.accelerator, found):
+            out[sid][i] = value
+        return out
+
+
+def _gather(accelerator: Any, items: list) -> list:
+    if accelerator.num_processes == 1:
+        return items
+    from accelerate.utils import gather_object
+
+    return list(gather_object(items))
+
+
+def value_advantages(trajectories: Sequence[Trajectory], rewards: Mapping[str, float],
+                     values: Mapping[str, Tensor], gamma: float, lam: float) -> tuple[dict, dict]:
+    """Per sample id, per-token (advantages, returns) from outcome rewards placed on each sample's last trained step
+    and the old values; tokens without a value (not trained) get 0 and do not take part."""
+    sample, steps, vals, where = [], [], [], []
+    for si, t in enumerate(trajectories):
+        v = values[t.sample_id]
+        known = ~torch.isnan(v)
+        idx = torch.nonzero(known).flatten()
+        sample.append(torch.full((len(idx),), si, dtype=torch.long))
+        steps.append(torch.tensor(t.step_map, dtype=torch.long)[idx])
+        vals.append(v[idx])
+        where.append(idx)
+    s, k, v = torch.cat(sample), torch.cat(steps), torch.cat(vals)
+    reward = torch.tensor([float(rewards[t.sample_id]) for t in trajectories])
+    adv, ret = step_gae(s, k, outcome_token_rewards(s, k, reward), v, gamma, lam)
+    advantages, returns, offset = {}, {}, 0
+    for t, idx in zip(trajectories, where, strict=True):
+        a, r = torch.zeros(len(t.response_ids)), torch.zeros(len(t.response_ids))
+        a[idx], r[idx] = adv[offset:offset + len(idx)], ret[offset:offset + len(idx)]
+        advantages[t.sample_id], returns[t.sample_id] = a.tolist(), r.tolist()
+        offset += len(idx)
+    return advantages, returns
