@@ -2,6 +2,7 @@
 
     python -m bench.rl_step                       # tiny demo SDAR on CPU, the demo's step size
     python -m bench.rl_step --tasks 16 --k 8 --tokens 64 --repeat 3
+    python -m bench.rl_step --value-memory          # also: peak memory of a step with the value model
 
 Ours: the loop of jobs/rl.py: sample with the weights the trainer holds, score, old log-probs, train, evaluate,
 save a checkpoint. The reference's way (Gen-Verse/dLLM-RL rl.py): every stage is a new process that reloads the
@@ -31,7 +32,7 @@ from models.registry import load_model
 from train.policy_trainer import PolicyTrainer
 
 
-def _config(out: Path, model: Path, args) -> object:
+def _config(out: Path, model: Path, args, value: bool = False) -> object:
     over = {"experiment.output_dir": out, "experiment.project": "bench", "model.pretrained_model": model,
             "experiment.total_step": 1, "experiment.eval_every": 1, "experiment.save_every": 1,
             "rollout.num_task_per_step": args.tasks, "rollout.num_response_per_task": args.k,
@@ -39,6 +40,8 @@ def _config(out: Path, model: Path, args) -> object:
             "evaluation.num_response_per_task": 1, "reward.acc_low": 0.0, "reward.acc_high": 1.0,
             "reward.filter_all_equal": "false", "training.old_logp": "recompute",
             "training.max_prompt_len": 512, "experiment.overwrite": "true"}
+    if value:
+        over["model.value_base_model"] = model
     return load_config(["config=configs/demo/rl_demo.yaml", *(f"{k}={v}" for k, v in over.items())], "rl")
 
 
@@ -113,13 +116,57 @@ def process_startup() -> float:
     return time.perf_counter() - start
 
 
+def memory_run(args) -> dict:
+    """One RL step (policy only, or policy + value model) in this process: peak resident memory over the step."""
+    import json
+    import resource
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        from models.tiny import save_tiny_checkpoint
+        from models.tokenizers import build_demo_tokenizer
+
+        model = save_tiny_checkpoint(tmp / "model", "sdar", build_demo_tokenizer(), size=args.size)
+        job = RLJob(_config(tmp / "runs", model, args, value=args.memory == "value"), progress=False)
+        job.prepare()
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        job.root.mkdir(parents=True, exist_ok=True)
+        job.one_step(1, job.root)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"mode": args.memory, "peak_mib": peak / 1024, "step_extra_mib": (peak - base) / 1024}))
+    return {}
+
+
+def memory_table(args) -> None:
+    """Peak memory of one step, policy alone vs policy + value model (each in a fresh process)."""
+    import json
+    import os
+
+    rows = {}
+    for mode in ("policy", "value"):
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        cmd = [sys.executable, "-m", "bench.rl_step", "--memory", mode, "--size", args.size, "--tasks",
+               str(args.tasks), "--k", str(args.k), "--tokens", str(args.tokens)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()
+        rows[mode] = json.loads(out[-1])
+    p, v = rows["policy"], rows["value"]
+    print(f"peak memory of one step ({args.size} model): policy {p['peak_mib']:.0f} MiB, policy + value "
+          f"{v['peak_mib']:.0f} MiB ({v['peak_mib'] / p['peak_mib']:.2f}x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2, help="rounds (fastest kept per stage)")
+    ap.add_argument("--size", default="demo", choices=["test", "demo", "bench"], help="models/tiny.py size")
+    ap.add_argument("--memory", choices=["policy", "value"], help=argparse.SUPPRESS)
+    ap.add_argument("--value-memory", action="store_true", help="also report peak memory with a value model")
     args = ap.parse_args(argv)
+    if args.memory:
+        memory_run(args)
+        return 0
     torch.manual_seed(0)
     print(hardware_line("cpu"))
     with tempfile.TemporaryDirectory() as d:
@@ -127,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         from models.tiny import save_tiny_checkpoint
         from models.tokenizers import build_demo_tokenizer
 
-        model = save_tiny_checkpoint(tmp / "model", "sdar", build_demo_tokenizer(), size="demo")
+        model = save_tiny_checkpoint(tmp / "model", "sdar", build_demo_tokenizer(), size=args.size)
         job = RLJob(_config(tmp / "runs", model, args), progress=False)
         job.prepare()
         best_ours: dict[str, float] = {}
@@ -148,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'+ 3 process start-ups':<22}{'':>10}{total_r + 3 * startup:>13.3f}   ({startup:.2f} s each)")
     print(f"reference / ours: {total_r / total_o:.2f}x in-process work, "
           f"{(total_r + 3 * startup) / total_o:.2f}x with its process start-ups")
+    if args.value_memory:
+        memory_table(args)
     return 0
 
 

@@ -188,7 +188,7 @@ _MOUNT_PROBE = (
     "assert l.mount(b'tmpfs',b'/tmp',b'tmpfs',0,b'size=1m')==0;"
     "assert l.mount(b'proc',b'/proc',b'proc',0,None)==0;print(os.getpid())"
 )
-_NS_FLAGS = ["--net", "--pid", "--fork", "--kill-child"]
+_NS_FLAGS = ["--net", "--pid", "--ipc", "--fork", "--kill-child"]  # --ipc: SysV / POSIX IPC objects die with the job
 
 
 def _probe(cmd: list[str], expect: str) -> bool:
@@ -216,22 +216,35 @@ def sandbox_capabilities(isolation: str = "auto") -> dict:
     """What containment this machine gives: mode, net_ns, pid_ns, mount_ns, uid_drop, the unshare prefix."""
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
-    caps = {"mode": "none", "net_ns": False, "pid_ns": False, "mount_ns": False, "uid_drop": root,
-            "prefix": []}
+    caps = {"mode": "none", "net_ns": False, "pid_ns": False, "mount_ns": False, "ipc_ns": False,
+            "uid_drop": root, "prefix": []}
     if isolation == "none" or os.environ.get("DLLM_SANDBOX_ISOLATION") == "none" or unshare is None:
         return _with_uid(caps)
     py = [sys.executable, "-I", "-c", _MOUNT_PROBE]
-    variants = [("namespaces", [unshare, "--mount", *_NS_FLAGS])] if root else []
-    variants.append(("userns", [unshare, "--user", "--map-root-user", "--mount", *_NS_FLAGS]))
-    for mode, prefix in variants:
-        if _probe(prefix + py, "1"):
-            return _with_uid({**caps, "mode": mode, "net_ns": True, "pid_ns": True, "mount_ns": True,
-                              "uid_drop": root and mode == "namespaces", "prefix": prefix})
-    for prefix in ([unshare, *_NS_FLAGS], [unshare, "--user", "--map-root-user", *_NS_FLAGS]):
-        if _probe(prefix + [sys.executable, "-I", "-c", "print(1)"], "1"):
-            return _with_uid({**caps, "mode": "net_pid", "net_ns": True, "pid_ns": True, "prefix": prefix,
-                              "uid_drop": root and "--user" not in prefix})
+    for flags in (_NS_FLAGS, [f for f in _NS_FLAGS if f != "--ipc"]):  # without an IPC namespace if refused
+        ipc = "--ipc" in flags
+        variants = [("namespaces", [unshare, "--mount", *flags])] if root else []
+        variants.append(("userns", [unshare, "--user", "--map-root-user", "--mount", *flags]))
+        for mode, prefix in variants:
+            if _probe(prefix + py, "1"):
+                return _with_uid({**caps, "mode": mode, "net_ns": True, "pid_ns": True, "mount_ns": True,
+                                  "ipc_ns": ipc, "uid_drop": root and mode == "namespaces", "prefix": prefix})
+        for prefix in ([unshare, *flags], [unshare, "--user", "--map-root-user", *flags]):
+            if _probe(prefix + [sys.executable, "-I", "-c", "print(1)"], "1"):
+                return _with_uid({**caps, "mode": "net_pid", "net_ns": True, "pid_ns": True, "ipc_ns": ipc,
+                                  "prefix": prefix, "uid_drop": root and "--user" not in prefix})
     return _with_uid(caps)
+
+
+def describe_sandbox() -> str:
+    """One line: the containment of code-reward programs on this machine and its known gaps."""
+    caps = sandbox_capabilities()
+    gaps = [name for key, name in (("net_ns", "network"), ("pid_ns", "process"), ("mount_ns", "filesystem"),
+                                   ("ipc_ns", "IPC")) if not caps[key]]
+    gaps = [f"no {name} namespace" for name in gaps]
+    gaps += ["host files outside /tmp are readable", "function-test verdicts are computed inside the program's "
+             "process (forgeable)", "memory and process limits are per process, not per job"]
+    return f"sandbox mode {caps['mode']!r}; known gaps: {'; '.join(gaps)}"
 
 
 def _with_uid(caps: dict) -> dict:

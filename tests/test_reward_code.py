@@ -298,3 +298,30 @@ def test_infrastructure_failures_are_flagged_not_scored_as_wrong(monkeypatch, ca
     res = run_program(GOOD, CFG)
     assert res.reason == "sandbox_error" and res.pass_fraction == 0.0
     assert "sandbox infrastructure failure" in caplog.text
+
+
+needs_ipc_ns = pytest.mark.skipif(not CAPS.get("ipc_ns"), reason=f"mode {CAPS['mode']}: no IPC namespace")
+
+
+@needs_ipc_ns
+def test_ipc_objects_do_not_outlive_the_job():
+    """SysV shared memory and message queues created by a program die with its IPC namespace."""
+    import ctypes
+
+    key = 0x5EED0000 + (os.getpid() % 0xFFFF)
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"shm = libc.shmget({key}, 1 << 20, 0o1000 | 0o600)\nmsq = libc.msgget({key}, 0o1000 | 0o600)\n"
+            "def f(x):\n    return x + 1 if shm >= 0 and msq >= 0 else -1\n")
+    res = run_then_good(fn_job(code))
+    assert res.all_passed  # the program could create both objects inside its namespace
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.shmget(key, 0, 0) == -1 and libc.msgget(key, 0) == -1  # ... and none reached the host
+
+
+def test_describe_sandbox_names_the_mode_and_its_gaps():
+    from reward.sandbox import describe_sandbox
+
+    line = describe_sandbox()
+    assert f"mode {CAPS['mode']!r}" in line and "known gaps" in line and "\n" not in line
+    if not CAPS.get("ipc_ns"):
+        assert "no IPC namespace" in line
