@@ -10,11 +10,23 @@ state starts fresh, and the run says so.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
-from core.files import write_atomic
+from core.files import RunDirError, write_atomic
 from jobs.dist import barrier, is_main
+
+
+def clear_for_fresh_run(root: Path, overwrite: bool, accelerator: Any) -> None:
+    """A fresh training run needs an empty run directory: refuse a used one unless ``overwrite`` (then remove it)."""
+    if root.is_dir() and any(root.iterdir()):
+        if not overwrite:
+            raise RunDirError(f"run directory {root} is not empty; resume it with experiment.start_from_scratch="
+                              "false, or replace it with experiment.overwrite=true")
+        if is_main(accelerator):
+            shutil.rmtree(root)
+        barrier(accelerator)
 
 
 def save_checkpoint(trainer: Any, ckpt: Path, extra: dict | None = None) -> None:

@@ -121,3 +121,19 @@ def launch_command(script: str, argv: list[str], node: NodeEnv, deepspeed_file: 
             "--num_machines", str(node.num_nodes), "--machine_rank", str(node.node_rank),
             "--num_processes", str(per_node * node.num_nodes), "--main_process_ip", node.master_addr,
             "--main_process_port", str(node.master_port), str(ROOT / script), *argv]
+
+
+def multinode_main(kind: str, script: str, argv: list[str] | None = None) -> int:
+    """``multinode_<kind>.py``: load the config (before torch), then exec this node's ``accelerate launch``."""
+    from core.config import load_config_or_exit
+    from core.entry import run_job
+
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = load_config_or_exit(kind, argv)
+
+    def job() -> None:
+        cmd = launch_command(script, argv, node_env(), cfg.experiment.deepspeed_file, cfg.experiment.num_node)
+        print("launching: " + " ".join(cmd), flush=True)
+        os.execv(cmd[0], cmd)
+
+    return run_job(job)

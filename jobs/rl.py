@@ -43,7 +43,7 @@ from core.config import config_text
 from core.files import RunDirError, write_atomic
 from core.schema import replace as replace_settings
 from core.schema import to_dict
-from jobs.checkpoint import is_complete, load_checkpoint, save_checkpoint
+from jobs.checkpoint import clear_for_fresh_run, is_complete, load_checkpoint, save_checkpoint
 from jobs.dist import barrier, is_main
 from jobs.evaluate import default_device, ensure_demo_model, evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
@@ -213,13 +213,7 @@ class RLJob:
         """None for a fresh run (the directory must be empty unless overwrite); else the step to resume from."""
         exp = self.cfg.experiment
         if exp.start_from_scratch:
-            if self.root.is_dir() and any(self.root.iterdir()):
-                if not exp.overwrite:
-                    raise RunDirError(f"run directory {self.root} is not empty; resume it with experiment."
-                                      "start_from_scratch=false, or replace it with experiment.overwrite=true")
-                if self.main:
-                    shutil.rmtree(self.root)
-                barrier(self.acc)
+            clear_for_fresh_run(self.root, exp.overwrite, self.acc)
             return None
         last = self.run.last_checkpoint()
         if last is None:

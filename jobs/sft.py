@@ -30,7 +30,7 @@ from core.schema import replace
 from data.formats import DataFormatError, read_raw_rows
 from data.prompts import prompt_ids
 from data.tasks import arithmetic_task
-from jobs.checkpoint import is_complete, load_checkpoint, save_checkpoint
+from jobs.checkpoint import clear_for_fresh_run, is_complete, load_checkpoint, save_checkpoint
 from jobs.dist import barrier, is_main
 from jobs.evaluate import default_device, ensure_demo_model
 from models.registry import family_spec, load_model
@@ -178,13 +178,7 @@ class SFTJob:
             if not is_complete(self.last):
                 raise RunDirError(f"nothing to resume in {self.root}: no complete checkpoint at {self.last}")
             return True
-        if self.root.is_dir() and any(self.root.iterdir()):
-            if not exp.overwrite:
-                raise RunDirError(f"run directory {self.root} is not empty; resume it with experiment."
-                                  "start_from_scratch=false, or replace it with experiment.overwrite=true")
-            if self.main:
-                shutil.rmtree(self.root)
-            barrier(self.acc)
+        clear_for_fresh_run(self.root, exp.overwrite, self.acc)
         return False
 
     def _samples(self) -> list[Trajectory]:
