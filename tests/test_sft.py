@@ -78,6 +78,48 @@ def test_sft_loss_equals_a_direct_computation_from_full_logits(tiny, method):
     assert torch.all(batch.input_ids[batch.rows, batch.token_cols] == adapter.mask_id)  # trained = masked
 
 
+def test_semi_ar_and_ar_views_of_full_attention_models(tiny):
+    dream = tiny("dream", seed=1)
+    sample = sft_sample([5, 6, 7], [20, 21, 22, 23, 24], "a")
+    sample.block_size = 2
+    cfg = SFTTrainingConfig(method="semi-ar", lower_p=1.0, upper_p=1.0, samples_per_step=None)
+    semi = SFTTrainer(dream, cfg, OptimizerParams(), accelerator=build_accelerator())
+    batch = build_view([sample], {"a": 1.0}, semi.cfg, semi.ids)
+    # blocks {0,1}, {2,3}, {4}: one row each; a row masks its block (ratio 1 here) and every later block
+    assert batch.num_rows == 3 and batch.token_index.tolist() == [0, 1, 2, 3, 4]
+    mask = dream.mask_id
+    assert batch.input_ids[0, 3:].tolist() == [mask] * 5
+    assert batch.input_ids[1, 3:].tolist() == [20, 21, mask, mask, mask]
+    assert batch.input_ids[2, 3:].tolist() == [20, 21, 22, 23, mask]
+    ar = SFTTrainer(dream, SFTTrainingConfig(method="ar", samples_per_step=None), OptimizerParams(),
+                    accelerator=build_accelerator())
+    batch = build_view([sample], {"a": 1.0}, ar.cfg, ar.ids)
+    assert batch.num_rows == 1 and batch.input_ids[0].tolist() == [5, 6, 7, 20, 21, 22, 23, 24]
+    assert batch.cols.tolist() == [2, 3, 4, 5, 6]  # shifted: token i from the hidden state before it
+    visible = batch.layout.dense_mask()[0, 0]
+    assert visible[4].tolist() == [True] * 5 + [False] * 3  # causal
+    with pytest.raises(Exception, match="shifted logits"):
+        SFTTrainer(tiny("llada"), SFTTrainingConfig(method="ar"), OptimizerParams(), accelerator=build_accelerator())
+
+
+@pytest.mark.parametrize(("base", "method"), [("dream", "semi-ar"), ("dream", "ar"), ("llada", "random_masking")])
+def test_full_attention_sft_loss_equals_a_direct_computation(tiny, base, method):
+    adapter = tiny(base, seed=3)
+    samples = [sft_sample([5, 6, 7], [20, 21, 22, 23, 24], "a"), sft_sample([30], [40, 41, 42], "b")]
+    for s in samples:
+        s.block_size = 2
+    trainer = SFTTrainer(adapter, SFTTrainingConfig(method=method, samples_per_step=None, seed=2), OptimizerParams(),
+                         accelerator=build_accelerator())
+    batch = build_view(samples, {"a": 1.0, "b": 1.0}, trainer.cfg, trainer.ids)
+    assert batch.num_tokens > 0
+    with torch.no_grad():
+        got = trainer.loss(batch, trainer.forward_logprobs(trainer.model, batch)).loss
+        logits = adapter.forward(batch.input_ids, batch.position_ids, batch.layout).float()
+        logp = logits.log_softmax(-1)[batch.rows, batch.cols, batch.labels]
+        want = -(batch.weights * logp).sum()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_sft_on_the_builtin_task_lowers_the_loss(tmp_path, ckpt):
     out = run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 30, "dataset.builtin_size": 128,
                                                           "training.samples_per_step": 16}), "sft"),

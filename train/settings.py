@@ -14,9 +14,9 @@ from typing import Literal
 
 from core.schema import SettingError, Settings, bounded
 
-METHODS = ("tracerl", "random_masking", "coupled")
+METHODS = ("tracerl", "random_masking", "coupled", "semi_ar", "ar")
 _METHOD_NAMES = {"tracerl": "tracerl", "trace_rl": "tracerl", "random_masking": "random_masking",
-                 "coupled": "coupled"}
+                 "coupled": "coupled", "semi_ar": "semi_ar", "ar": "ar"}
 
 
 @dataclass
@@ -28,7 +28,8 @@ class Seeded(Settings):
 class ViewConfig(Seeded):
     """How trajectories become training rows (see train/views.py)."""
 
-    method: str = "tracerl"  # TraceRL | random_masking | coupled (case-insensitive)
+    # TraceRL | random_masking | coupled (RL and SFT); semi_ar | ar (SFT of full-attention models)
+    method: str = "tracerl"
     layout: Literal["packed", "per_round"] = "packed"  # block models only; full attention: one row per unit
     shrink: int = bounded(1, 1)  # merge groups of `shrink` consecutive step ids into one round
     post_num: int = bounded(0, 0)  # trained pad tokens per response besides the stop token
@@ -48,7 +49,8 @@ class ViewConfig(Seeded):
         super().validate()
         method = _METHOD_NAMES.get(str(self.method).lower())
         if method is None:
-            raise SettingError("method", f"method must be one of TraceRL, random_masking, coupled, got {self.method!r}")
+            raise SettingError("method", f"method must be one of TraceRL, random_masking, coupled, semi_ar, ar; got "
+                                         f"{self.method!r}")
         self.method = method
         if self.lower_p > self.upper_p:
             raise SettingError("lower_p", f"lower_p ({self.lower_p}) exceeds upper_p ({self.upper_p})")
@@ -140,18 +142,19 @@ class LRSchedulerConfig(Settings):
     params: LRSchedulerParams = field(default_factory=LRSchedulerParams)
 
 
-SFT_METHODS = {"semi-ar": "random_masking", "random_masking": "random_masking", "trace": "tracerl",
-               "tracerl": "tracerl"}
+SFT_METHODS = {"semi-ar": "semi_ar", "semi_ar": "semi_ar", "random_masking": "random_masking", "trace": "tracerl",
+               "tracerl": "tracerl", "ar": "ar"}
 
 
 @dataclass
 class SFTTrainingConfig(TrainerSettings, ViewConfig):
     """The ``training`` section of SFT jobs: the trainer loop plus the view that noises the responses.
 
-    ``method``: ``semi-ar`` (the reference's name for block-diffusion SFT: each block of the response noised with
-    the clean earlier blocks visible, i.e. random masking over the block layout), ``random_masking`` (the same
-    view for every family), ``trace`` (the TraceRL rounds of a given step map; rows without one decode left to
-    right).
+    ``method``: ``semi-ar`` (the reference's name: block models noise each block of the response with the clean
+    earlier blocks visible, i.e. random masking over the block layout; full-attention models get one row per
+    block, later blocks masked), ``random_masking`` (every family), ``trace`` (the TraceRL rounds of a given step
+    map; rows without one decode left to right), ``ar`` (models adapted from AR models, Dream / DiffuCoder: causal
+    next-token training).
     """
 
     method: str = "semi-ar"
@@ -168,6 +171,8 @@ class SFTTrainingConfig(TrainerSettings, ViewConfig):
         super().validate()
         self.method = method
 
-    @property
-    def view_method(self) -> str:
+    def view_method(self, attention: str) -> str:
+        """The view the method uses for a model of ``attention`` kind."""
+        if SFT_METHODS[self.method] == "semi_ar" and attention == "block":
+            return "random_masking"  # the block layout already keeps later blocks out of view
         return SFT_METHODS[self.method]

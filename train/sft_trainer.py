@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from core.loader import ConfigError
 from core.schema import replace
 from sample.trajectory import Trajectory
 from train.loss import LossOutput
@@ -44,7 +45,11 @@ class SFTTrainer(PolicyTrainer):
     """Overrides the loss (NLL) and skips old log-probs; everything else is the policy trainer's."""
 
     def __init__(self, adapter: Any, cfg: SFTTrainingConfig, *args: Any, **kwargs: Any):
-        super().__init__(adapter, replace(cfg, method=cfg.view_method), *args, **kwargs)
+        if cfg.view_method(adapter.attention) == "ar" and not adapter.shift_logits:
+            raise ConfigError("key 'training.method': ar SFT needs a model adapted from an AR model (shifted logits: "
+                              f"Dream / DiffuCoder); {adapter.model_base} would see the token it predicts",
+                              "training.method")
+        super().__init__(adapter, replace(cfg, method=cfg.view_method(adapter.attention)), *args, **kwargs)
 
     def train_samples(self, samples: Sequence[Trajectory]) -> list[dict[str, float]]:
         """One optimiser step (or more, with ``samples_per_step``) on SFT samples."""

@@ -264,8 +264,8 @@ def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig
     prompt = t["prompt_ids"]
     # Block models train on the blocks the sample was decoded with (the sampling block size may differ from the
     # model's own, e.g. when TraceRL adapts a block-4 model to block 8).
-    block = (traj.block_size or ids.block_size) if ids.attention == "block" else None
-    if block is not None:  # the tail only matters inside the final response block
+    block = traj.block_size or ids.block_size  # (full attention: the semi-AR block of SFT, else unused)
+    if ids.attention == "block":  # the tail only matters inside the final response block
         end = ((len(prompt) + n - 1) // block + 1) * block
         keep = max(end - len(prompt) - n, 0)
         tail, tail_steps = tail[:keep], tail_steps[:keep]
@@ -423,9 +423,29 @@ def _assemble(s: _Sample, si: int, clean_ids: Tensor, b: int, copies: list[tuple
     return _Row(segments, si, torch.cat(cols), torch.cat(resp_index), torch.cat(unit), torch.cat(steps))
 
 
+def _semi_ar_units(s: _Sample, cfg: ViewConfig, gen: torch.Generator) -> _Units:
+    """Full-attention semi-AR SFT: one unit per response block k: later blocks (and the tail) fully masked, block k
+    noised (a draw of _noise_masks), earlier blocks clean; trained = the noised tokens of block k."""
+    if not s.block:
+        raise ValueError("semi-AR views of full-attention models need a block size (training.block_size)")
+    n, t = len(s.resp), len(s.tail)
+    blk = torch.arange(n) // s.block
+    n_blocks = int(blk.max()) + 1 if n else 0
+    noise = torch.cat([_noise_masks(n, cfg, gen)[:1] for _ in range(n_blocks)]) if n_blocks else \
+        torch.zeros(0, n, dtype=torch.bool)
+    k = torch.arange(n_blocks)[:, None]
+    resp_masked = (blk[None] > k) | ((blk[None] == k) & noise)
+    trained = (blk[None] == k) & noise & s.trainable[None]
+    masked = torch.cat([resp_masked, torch.ones(n_blocks, t, dtype=torch.bool)], 1)
+    trained = torch.cat([trained, torch.zeros(n_blocks, t, dtype=torch.bool)], 1)
+    return _Units(masked, trained, torch.ones_like(masked), torch.cat([s.steps, s.tail_steps]))
+
+
 def _full_units(s: _Sample, cfg: ViewConfig, gen: torch.Generator) -> _Units:
     n, t = len(s.resp), len(s.tail)
     all_steps = torch.cat([s.steps, s.tail_steps])
+    if cfg.method == "semi_ar":
+        return _semi_ar_units(s, cfg, gen)
     if cfg.method == "tracerl":
         rank, collapsed = group_ranks(torch.zeros_like(all_steps), all_steps, cfg.shrink)
         rounds = torch.unique(rank[:n][s.trainable])
@@ -440,7 +460,20 @@ def _full_units(s: _Sample, cfg: ViewConfig, gen: torch.Generator) -> _Units:
     return _Units(masked, trained, torch.ones_like(masked), collapsed)
 
 
+def _ar_rows(s: _Sample, si: int, ids: ViewIds) -> list[_Row]:
+    """AR SFT of a model adapted from an AR model (shifted logits): the clean sequence under causal attention,
+    every trainable response token predicted from the hidden state before it."""
+    if not ids.shift_logits:
+        raise ValueError("the ar view needs a model with shifted logits (Dream / DiffuCoder): an unshifted model "
+                         "would see the token it predicts")
+    seq = torch.cat([s.prompt, s.resp])
+    hit = s.trainable.nonzero().squeeze(1)
+    return [_Row([clean_segment(seq, 1)], si, len(s.prompt) + hit, hit, torch.zeros_like(hit), s.steps[hit])]
+
+
 def _full_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ViewIds, gen: torch.Generator) -> list[_Row]:
+    if cfg.method == "ar":
+        return _ar_rows(s, si, ids)
     units = _full_units(s, cfg, gen).nonempty()
     p = len(s.prompt)
     gen_ids = torch.cat([s.resp, s.tail])
