@@ -1,117 +1,35 @@
 """PolicyTrainer: one RL step = views -> old log-probs -> clipped policy-gradient updates, for every family.
 
-Designed to be subclassed (the value-model trainer does): override the hooks
-* ``build_views(trajectories, advantages)`` -> one TrainBatch per optimiser step (this process's shard),
-* ``compute_old_logprobs(plan)`` -> fill ``old_logprobs`` of every micro-batch before any update,
-* ``model_outputs(micro_batch)`` -> what the loss consumes (here: new log-probs of the trained tokens; a value
-  trainer returns values read at ``token_cols``),
-* ``loss(micro_batch, outputs)`` -> LossOutput,
-* ``after_step(metrics)`` -> called after every optimiser step (logging, checkpoints).
-Per-token extras a subclass needs (old values, returns) ride along in ``TrainBatch.extra``.
-
-Optimisation (fixing the reference's double division and per-process LR stepping, Gen-Verse/dLLM-RL train/rl_trado.py):
-loss weights are normalised over each optimiser step's batch by the view,
-so micro-batch losses add up and gradient accumulation divides exactly once (accelerate / DeepSpeed divide by their
-accumulation count; the trainer undoes it); the LR schedule is advanced once per optimiser step and honours
-``min_lr_scale``; rows are shuffled with a seed. Works single-process without a launcher, and under DDP or
-DeepSpeed ZeRO-2/3 through ``train.accelerator.build_accelerator`` (every process runs the same number of
-forwards: short shards are padded with zero-weight micro-batches).
+The optimisation loop is train/trainer.py's; this class adds the policy's hooks: old log-probs (the sampler's, or
+recomputed under no_grad before any update), new log-probs of the trained tokens as outputs, and the clipped
+policy-gradient loss with its KL terms (train/loss.py), optionally against a frozen reference model.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from core.schema import replace as replace_settings
-from sample.trajectory import Trajectory
-from train.logprobs import gathered_logprobs
-from train.loss import LOSS_KEYS, LossOutput, finalize_metrics, policy_loss, sum_metrics
-from train.schedules import LRSchedule
-from train.settings import LRSchedulerConfig, OptimizerParams, RLTrainingConfig, TrainerSettings
-from train.views import TrainBatch, ViewIds, build_view
+from train.loss import LossOutput, policy_loss
+from train.settings import LRSchedulerConfig, OptimizerParams, RLTrainingConfig
+from train.trainer import Plan, Trainer
+from train.views import TrainBatch
 
-log = logging.getLogger(__name__)
-
-Plan = list[list[TrainBatch]]  # optimiser steps -> micro-batches
+__all__ = ["PolicyTrainer", "Plan"]
 
 
-class PolicyTrainer:
-    """Trains ``adapter.model`` on trajectories with the clipped policy-gradient loss (see module docstring)."""
+class PolicyTrainer(Trainer):
+    """Trains ``adapter.model`` with the clipped policy-gradient loss on trajectories and their advantages."""
 
     def __init__(self, adapter: Any, cfg: RLTrainingConfig, optimizer: OptimizerParams | None = None,
                  lr_scheduler: LRSchedulerConfig | None = None, total_steps: int | None = None,
                  accelerator: Any = None, ref_model: Any = None):
-        """``total_steps``: optimiser steps over the whole run (needed by decaying LR schedules)."""
-        self.adapter, self.cfg, self.ref_model = adapter, cfg, ref_model
-        opt = optimizer or OptimizerParams()
-        sched = lr_scheduler or LRSchedulerConfig()
-        self.ids = ViewIds.from_adapter(adapter)
-        self.accelerator = accelerator or _default_accelerator(cfg)
-        if cfg.enable_tf32 and torch.cuda.is_available():
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        model = adapter.model
-        if cfg.gradient_checkpointing_enable:
-            _enable_checkpointing(model)
-        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt.learning_rate,
-                                  betas=(opt.beta1, opt.beta2), eps=opt.epsilon, weight_decay=opt.weight_decay)
-        self.model, self.optimizer = self.accelerator.prepare(model, optim)
+        super().__init__(adapter, cfg, optimizer, lr_scheduler, total_steps, accelerator)
+        self.ref_model = ref_model
         if ref_model is not None:  # frozen reference for the ref_beta KL (a full copy per process)
             self.ref_model = ref_model.to(self.accelerator.device).eval().requires_grad_(False)
-        self.schedule = LRSchedule(self.optimizer, sched.scheduler, total_steps, sched.params.warmup_steps,
-                                   sched.params.min_lr_scale)
-        self.rl_step = 0
-        self.dropped: list[tuple[str, str]] = []
-
-    # ------------------------------------------------------------ the RL step
-
-    def train_step(self, trajectories: Sequence[Trajectory],
-                   advantages: Mapping[str, float | Sequence[float]]) -> list[dict[str, float]]:
-        """Train on one RL step's trajectories; returns the metrics of every optimiser step."""
-        self.rl_step += 1
-        batches = self.build_views(trajectories, advantages)
-        plan = self._equalize([self.micro_batches(b, i) for i, b in enumerate(batches)])
-        old_metrics = self.compute_old_logprobs(plan)
-        out = []
-        for _ in range(self.cfg.num_train_epochs):
-            for micro in plan:
-                if not micro:  # every sample of this step was dropped (all processes agree, see _equalize)
-                    continue
-                metrics = {**self.optimizer_step(micro), **old_metrics, "rl_step": float(self.rl_step),
-                           "dropped": float(len(self.dropped))}
-                self.after_step(metrics)
-                out.append(metrics)
-        return out
-
-    # ------------------------------------------------------------ hooks
-
-    def build_views(self, trajectories: Sequence[Trajectory],
-                    advantages: Mapping[str, float | Sequence[float]]) -> list[TrainBatch]:
-        """Shuffle, shard over processes, cut into optimiser-step groups and build each group's view."""
-        acc = self.accelerator
-        order = torch.arange(len(trajectories))
-        if self.cfg.shuffle:
-            order = torch.randperm(len(trajectories), generator=self._generator(0))
-        shard = [trajectories[i] for i in order[acc.process_index::acc.num_processes].tolist()]
-        per_process = math.ceil(len(trajectories) / acc.num_processes)
-        if per_process == 0:
-            raise ValueError("train_step got no trajectories")
-        per_step = self.cfg.samples_per_step or per_process
-        n_steps = math.ceil(per_process / per_step)
-        view_cfg = replace_settings(self.cfg, seed=self.cfg.seed + 7919 * self.rl_step + acc.process_index)
-        batches = [build_view(shard[i * per_step:(i + 1) * per_step], advantages, view_cfg, self.ids)
-                   for i in range(n_steps)]
-        self.dropped = [d for b in batches for d in b.dropped]
-        if self.dropped:
-            log.warning("dropped %d trajectories: %s", len(self.dropped), self.dropped[:5])
-        return batches
 
     def compute_old_logprobs(self, plan: Plan) -> dict[str, float]:
         """Fill old log-probs (sampler or recomputed under no_grad before any update); returns metrics."""
@@ -138,136 +56,9 @@ class PolicyTrainer:
         return policy_loss(logp_new, mb.old_logprobs, mb.advantages, mb.weights, self.cfg,
                            self._ref_logprobs(mb))
 
-    def after_step(self, metrics: dict[str, float]) -> None:
-        """Called after every optimiser step (override for logging / checkpoints)."""
-
-    # ------------------------------------------------------------ forward
-
-    def forward_logprobs(self, model: Any, mb: TrainBatch) -> Tensor:
-        """fp32 log-probs of the micro-batch's trained tokens (gathered, chunked LM head)."""
-        mb = mb.to(self.accelerator.device)
-        with self.accelerator.autocast():
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, layout=mb.layout, logits_to_keep=1)
-            hidden = out.hidden_states[-1]
-            head = self.accelerator.unwrap_model(model).lm_logits if model is self.model else model.lm_logits
-            return gathered_logprobs(head, hidden, mb.rows, mb.cols, mb.labels, self.cfg.logits_chunk_size)
-
-    def logprobs(self, batch: TrainBatch) -> Tensor:
-        """No-grad log-probs of every trained token of ``batch`` (for checks and evaluation)."""
-        with torch.no_grad():
-            self.model.eval()
-            parts = [self.forward_logprobs(self.model, mb).float().cpu()
-                     for mb in self.micro_batches(batch, 0, shuffle=False)]
-        return _reassemble(batch, parts, self.cfg.batch_size_lm)
-
-    # ------------------------------------------------------------ optimisation
-
-    def micro_batches(self, batch: TrainBatch, step: int, shuffle: bool | None = None) -> list[TrainBatch]:
-        """Split a step's rows into micro-batches (rows shuffled with a seed)."""
-        shuffle = self.cfg.shuffle if shuffle is None else shuffle
-        order = torch.arange(batch.num_rows)
-        if shuffle:
-            order = torch.randperm(batch.num_rows, generator=self._generator(step + 1))
-        size = self.cfg.batch_size_lm
-        return [batch.select_rows(order[i:i + size]) for i in range(0, batch.num_rows, size)]
-
-    def optimizer_step(self, micro: list[TrainBatch]) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches, clip, step once, advance the LR schedule once."""
-        acc = self.accelerator
-        lr = self.schedule.apply()
-        self.model.train()
-        parts = []
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            acc.gradient_state._set_sync_gradients(last)
-            ctx = nullcontext() if last or _is_deepspeed(acc) else acc.no_sync(self.model)
-            with ctx:
-                out = self.loss(mb, self.model_outputs(mb))
-                acc.backward(out.loss * self._accumulation_divisor())
-            parts.append(out.metrics)
-        grad_norm = None
-        if self.cfg.max_grad_norm:
-            grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        acc.gradient_state._set_sync_gradients(True)
-        self.schedule.step()
-        metrics = finalize_metrics(self._global_sums(parts, micro))
-        metrics.update(lr=lr, micro_batches=float(len(micro)))
-        if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
-        return metrics
-
-    def _global_sums(self, parts: list[dict[str, float]], micro: list[TrainBatch]) -> dict[str, float]:
-        """Metric sums over every process's real micro-batches (fillers excluded); losses averaged over processes,
-        matching the averaged gradient."""
-        keys = sorted(parts[0])
-        total = sum_metrics([p for p, mb in zip(parts, micro) if not mb.filler], keys)
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return total
-        reduced = acc.reduce(torch.tensor([total[k] for k in keys], device=acc.device), reduction="sum").tolist()
-        total = dict(zip(keys, reduced))
-        for k in LOSS_KEYS:
-            if k in total:
-                total[k] /= acc.num_processes
-        return total
-
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
         if self.ref_model is None or not self.cfg.ref_beta:
             return None
         with torch.no_grad():
             return self.forward_logprobs(self.ref_model, mb).float()
 
-    def _accumulation_divisor(self) -> float:
-        """What accelerate / DeepSpeed divide the loss by; multiplied back so accumulation divides only once."""
-        acc = self.accelerator
-        if _is_deepspeed(acc):
-            return float(acc.deepspeed_engine_wrapped.engine.gradient_accumulation_steps())
-        return float(acc.gradient_accumulation_steps)
-
-    def _equalize(self, plan: Plan) -> Plan:
-        """Give every process the same number of micro-batches per step (ZeRO-3 forwards are collective)."""
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return plan
-        counts = torch.tensor([len(m) for m in plan], device=acc.device)
-        most = acc.gather(counts[None]).max(0).values.tolist()
-        filler = next((mb for micro in plan for mb in micro), None)
-        if filler is None:
-            raise ValueError(f"process {acc.process_index} has no training rows; use fewer processes")
-        zero = replace(filler.with_weights(torch.zeros_like(filler.weights)), filler=True)
-        return [micro + [zero] * (int(n) - len(micro)) for micro, n in zip(plan, most)]
-
-    def _generator(self, salt: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.rl_step * 1009 + salt)
-
-
-def _reassemble(batch: TrainBatch, parts: list[Tensor], size: int) -> Tensor:
-    """Put per-micro-batch values back in the batch's token order (micro-batches are consecutive rows)."""
-    out = torch.empty(batch.num_tokens)
-    for i, part in enumerate(parts):
-        sel = (batch.rows >= i * size) & (batch.rows < (i + 1) * size)
-        out[sel] = part
-    return out
-
-
-def _enable_checkpointing(model: Any) -> None:
-    """Recompute decoder layers in the backward pass (transformers 5 renamed the entry point)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _is_deepspeed(acc: Any) -> bool:
-    return getattr(acc, "deepspeed_engine_wrapped", None) is not None
-
-
-def _default_accelerator(cfg: TrainerSettings) -> Any:
-    from train.accelerator import build_accelerator
-
-    return build_accelerator(mixed_precision=cfg.mixed_precision,
-                             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                             micro_batch_size=cfg.batch_size_lm)

@@ -1,4 +1,4 @@
-"""SFTTrainer: the policy trainer's machinery with a negative log-likelihood loss (a view + a loss).
+"""SFTTrainer: the trainer core (train/trainer.py) with a negative log-likelihood loss (a view + a loss).
 
 Samples are ``Trajectory`` records of (prompt, response[, step map]); the SFT methods are the training views of RL
 (random masking over the block layout for ``semi-ar`` / ``random_masking``, the TraceRL rounds of a step map for
@@ -17,8 +17,8 @@ from core.loader import ConfigError
 from core.schema import replace
 from sample.trajectory import Trajectory
 from train.loss import LossOutput
-from train.policy_trainer import Plan, PolicyTrainer
 from train.settings import SFTTrainingConfig
+from train.trainer import Trainer
 from train.views import TrainBatch
 
 
@@ -41,8 +41,8 @@ def nll_loss(logp: Tensor, weights: Tensor) -> LossOutput:
     return LossOutput(loss, {"loss": stats[0], "tokens": stats[1], "nll_sum": stats[2]})
 
 
-class SFTTrainer(PolicyTrainer):
-    """Overrides the loss (NLL) and skips old log-probs; everything else is the policy trainer's."""
+class SFTTrainer(Trainer):
+    """Outputs are the log-probs of the trained tokens, the loss is their NLL; everything else is the core's."""
 
     def __init__(self, adapter: Any, cfg: SFTTrainingConfig, *args: Any, **kwargs: Any):
         if cfg.view_method(adapter.attention) == "ar" and not adapter.shift_logits:
@@ -55,8 +55,8 @@ class SFTTrainer(PolicyTrainer):
         """One optimiser step (or more, with ``samples_per_step``) on SFT samples."""
         return self.train_step(samples, {s.sample_id: 1.0 for s in samples})
 
-    def compute_old_logprobs(self, plan: Plan) -> dict[str, float]:
-        return {}
+    def model_outputs(self, mb: TrainBatch) -> Tensor:
+        return self.forward_logprobs(self.model, mb)
 
     def loss(self, mb: TrainBatch, logp_new: Tensor) -> LossOutput:
         return nll_loss(logp_new, mb.weights)

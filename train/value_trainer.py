@@ -1,4 +1,4 @@
-"""ValueTrainer: the policy trainer's views, micro-batching, accumulation and DeepSpeed handling, with values as the
+"""ValueTrainer: the trainer core's views, micro-batching, accumulation and DeepSpeed handling, with values as the
 outputs and the clipped value loss (only the hooks differ).
 
 A token's value is read at its masked copy in the round where it was decoded: the state just before its decoding
@@ -22,7 +22,7 @@ from torch import Tensor
 from sample.trajectory import Trajectory
 from train.gae import outcome_token_rewards, step_gae
 from train.loss import LossOutput
-from train.policy_trainer import Plan, PolicyTrainer
+from train.trainer import Plan, Trainer
 from train.views import TrainBatch
 
 
@@ -38,7 +38,7 @@ def value_loss(v: Tensor, v_old: Tensor, returns: Tensor, weights: Tensor, eps: 
     return LossOutput(loss, {"loss": stats[0], "tokens": stats[1], "value_abs_err_sum": stats[2]})
 
 
-class ValueTrainer(PolicyTrainer):
+class ValueTrainer(Trainer):
     """Trains a value model (``adapter.model`` is a ``models.value.ValueModel``) on per-token returns."""
 
     def values(self, model: Any, mb: TrainBatch) -> Tensor:
