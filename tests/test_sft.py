@@ -16,9 +16,9 @@ from core.config import load_config
 from jobs.sft import SFTJob, build_samples, read_rows, run_sft, turn_end_id
 from models.tiny import save_tiny_checkpoint
 from train.accelerator import build_accelerator
-from train.settings import OptimizerParams, SFTTrainingConfig
+from train.settings import OptimizerParams, RLTrainingConfig, SFTTrainingConfig
 from train.sft_trainer import SFTTrainer, sft_sample
-from train.views import build_view
+from train.views import ViewIds, build_view
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,3 +194,77 @@ if __name__ == "__main__":  # launched by the 2-process test: SFT, then a digest
             digest.update(name.encode() + p.detach().float().cpu().numpy().tobytes())
     Path(f"{os.environ['SFT_DIGEST']}.{job.acc.process_index}.json").write_text(json.dumps(
         {"digest": digest.hexdigest(), "num_processes": job.acc.num_processes}))
+
+
+def _weights_of(adapter, samples, **cfg):
+    trainer = SFTTrainer(adapter, SFTTrainingConfig(samples_per_step=None, layout="per_round", **cfg),
+                         OptimizerParams(), accelerator=build_accelerator())
+    return build_view(samples, {s.sample_id: 1.0 for s in samples}, trainer.cfg, trainer.ids)
+
+
+@pytest.mark.parametrize("base", ["sdar", "llada"])
+def test_elbo_weighting_divides_each_noised_token_by_its_masking_probability(tiny, base):
+    adapter = tiny(base)
+    samples = [sft_sample([5, 6, 7], list(range(20, 36)), "a"), sft_sample([8], list(range(40, 51)), "b")]
+    for s in samples:
+        s.block_size = 4
+    fixed = {"method": "random_masking", "lower_p": 0.25, "upper_p": 0.25, "seed": 4}
+    plain, elbo = _weights_of(adapter, samples, **fixed), _weights_of(adapter, samples, elbo_weight=True, **fixed)
+    assert torch.equal(plain.token_cols, elbo.token_cols) and plain.num_tokens > 0  # same draw, same tokens
+    torch.testing.assert_close(elbo.weights, plain.weights * 4.0)  # t = 0.25 -> each token counts 4 times
+    # coupled RL views: each draw (t = 0.25) is followed by its complement (t = 0.75)
+    ids, adv = ViewIds.from_adapter(adapter), {"a": 1.0, "b": 1.0}
+    fixed.update(method="coupled", layout="per_round")
+    plain = build_view(samples, adv, RLTrainingConfig(**fixed), ids)
+    elbo = build_view(samples, adv, RLTrainingConfig(elbo_weight=True, **fixed), ids)
+    ratio = elbo.weights / plain.weights
+    first_copy = plain.unit % 2 == 0
+    torch.testing.assert_close(ratio[first_copy], torch.full_like(ratio[first_copy], 4.0))
+    torch.testing.assert_close(ratio[~first_copy], torch.full_like(ratio[~first_copy], 4.0 / 3.0))
+    # t ~ U(0.2, 0.8) per row: one ratio per unit, equal to 1/t for a t inside the range
+    varied = {"method": "random_masking", "lower_p": 0.2, "upper_p": 0.8, "seed": 5, "mask_times_per_sample": 6}
+    plain, elbo = _weights_of(adapter, samples, **varied), _weights_of(adapter, samples, elbo_weight=True, **varied)
+    ratio = elbo.weights / plain.weights
+    per_unit = [ratio[plain.unit == u] for u in plain.unit.unique()]
+    assert all(torch.allclose(r, r[0].expand_as(r)) for r in per_unit)
+    assert all(1 / 0.8 - 1e-6 <= float(r[0]) <= 1 / 0.2 + 1e-6 for r in per_unit)
+    assert len({round(float(r[0]), 6) for r in per_unit}) > 1
+
+
+def test_elbo_weighting_is_refused_where_nothing_is_masked_at_random():
+    with pytest.raises(Exception, match="elbo_weight"):
+        SFTTrainingConfig(method="trace", elbo_weight=True)
+    with pytest.raises(Exception, match="elbo_weight"):
+        SFTTrainingConfig(method="random_masking", lower_p=0.0, elbo_weight=True)
+
+
+def test_a_datasets_folder_gives_the_same_samples_as_its_jsonl(tiny, tmp_path):
+    from datasets import Dataset
+
+    adapter = tiny("sdar")
+    rows = [{"prompt": "What is 3+4?", "response": "7"}, {"prompt": "Name a colour.", "response": "Blue"}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "folder"))
+    from_file = build_samples(read_rows(str(tmp_path / "d.jsonl")), adapter, "d")
+    from_folder = build_samples(read_rows(str(tmp_path / "folder")), adapter, "folder")
+    assert [(s.prompt_ids, s.response_ids) for s in from_folder] == [(s.prompt_ids, s.response_ids)
+                                                                     for s in from_file]
+
+
+def test_long_cot_rows_keep_their_think_tokens_and_train_every_block(tiny, tmp_path):
+    adapter = tiny("sdar")
+    tok = adapter.tokenizer
+    thought = " ".join(f"step {i}: carry the {i % 10}." for i in range(40))
+    row = {"prompt": "Add the numbers.", "response": f"<think>\n{thought}\n</think>\nThe answer is \\boxed{{7}}."}
+    (tmp_path / "cot.jsonl").write_text(json.dumps(row))
+    (sample,) = build_samples(read_rows(str(tmp_path / "cot.jsonl")), adapter, "cot")
+    think, unthink = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    resp = sample.response_ids
+    assert len(resp) > 300 and resp[0] == think and resp.count(unthink) == 1 and resp[-1] == turn_end_id(adapter)
+    assert tok.decode(resp[:-1]) == row["response"]  # nothing of the long response is lost or re-tokenised
+    # every response token is trained once by the trace view (one round per block position, 4-token blocks)
+    batch = _weights_of(adapter, [sample], method="trace")
+    assert sorted(batch.token_index.tolist()) == list(range(len(resp)))
+    # max_gen_length keeps the first tokens only; the rest is never trained
+    batch = _weights_of(adapter, [sample], method="trace", max_gen_length=64)
+    assert sorted(batch.token_index.tolist()) == list(range(64))

@@ -44,6 +44,9 @@ class ViewConfig(Seeded):
     # position, marginally Bernoulli((lower_p + upper_p) / 2)).
     random_mask_mode: Literal["per_sequence", "per_position"] = "per_sequence"
     mask_times_per_sample: int = bounded(1, 1)  # random/coupled draws per sample (reference Dream/LLaDA: 35)
+    # weight each randomly masked token by 1/t, t its masking probability (the masked-diffusion ELBO, as in LLaDA's
+    # SFT); the reference weights every token 1. Random-masking methods only.
+    elbo_weight: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -54,6 +57,12 @@ class ViewConfig(Seeded):
         self.method = method
         if self.lower_p > self.upper_p:
             raise SettingError("lower_p", f"lower_p ({self.lower_p}) exceeds upper_p ({self.upper_p})")
+        if self.elbo_weight and self.method in ("tracerl", "ar"):
+            raise SettingError("elbo_weight", f"elbo_weight weights randomly masked tokens by 1/t; method "
+                                              f"{self.method!r} masks nothing at random")
+        if self.elbo_weight and (self.lower_p == 0.0 or (self.method == "coupled" and self.upper_p == 1.0)):
+            raise SettingError("elbo_weight", "elbo_weight needs masking probabilities above 0 (lower_p > 0; "
+                                              "for coupled also upper_p < 1)")
 
 
 @dataclass

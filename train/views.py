@@ -308,6 +308,7 @@ class _Row:
     resp_index: Tensor
     unit: Tensor
     steps: Tensor
+    level: Tensor  # masking probability t of each trained token (1 where the view does not noise at random)
 
 
 @dataclass
@@ -318,10 +319,11 @@ class _Units:
     trained: Tensor  # [U, n] bool
     in_copy: Tensor  # [U, n] bool (block models: tokens of the blocks this unit copies)
     steps: Tensor  # [n] collapsed step of each token (0 for prompt tokens)
+    level: Tensor  # [U, n] float: the probability t with which each token was masked (1 for TraceRL rounds)
 
     def nonempty(self) -> _Units:
         keep = self.trained.any(1)
-        return _Units(self.masked[keep], self.trained[keep], self.in_copy[keep], self.steps)
+        return _Units(self.masked[keep], self.trained[keep], self.in_copy[keep], self.steps, self.level[keep])
 
 
 @dataclass
@@ -356,30 +358,35 @@ def _tracerl_block_units(g: _BlockGeometry, shrink: int) -> _Units:
     masked = gen[None] & (rank[None] >= rounds[:, None])
     trained = candidate[None] & (rank[None] == rounds[:, None])
     in_copy = torch.stack([torch.isin(g.block, g.block[t]) for t in trained]) if len(rounds) else masked
-    return _Units(masked, trained, in_copy, collapsed)
+    return _Units(masked, trained, in_copy, collapsed, torch.ones(masked.shape))
 
 
-def _noise_masks(n: int, cfg: ViewConfig, gen: torch.Generator) -> Tensor:
-    """[D, n] masks of response tokens, D = mask_times_per_sample (doubled with complements for coupled)."""
+def _noise_masks(n: int, cfg: ViewConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """[D, n] masks of response tokens, D = mask_times_per_sample (doubled with complements for coupled), and the
+    [D, n] probability each token was masked with."""
     d = cfg.mask_times_per_sample
     if cfg.random_mask_mode == "per_sequence":
         level = torch.empty(d, 1).uniform_(cfg.lower_p, cfg.upper_p, generator=gen)
     else:  # the reference's per-position draw (Gen-Verse/dLLM-RL train/rl_trado.py random_masking)
         level = torch.empty(d, n).uniform_(cfg.lower_p, cfg.upper_p, generator=gen)
     masks = torch.rand(d, n, generator=gen) < level
-    if cfg.method == "coupled":
-        masks = torch.stack([masks, ~masks], 1).flatten(0, 1)  # each draw followed by its complement
-    return masks
+    level = level.expand(d, n)
+    if cfg.method == "coupled":  # each draw followed by its complement
+        masks = torch.stack([masks, ~masks], 1).flatten(0, 1)
+        level = torch.stack([level, 1 - level], 1).flatten(0, 1)
+    return masks, level
 
 
 def _random_block_units(g: _BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> _Units:
     is_resp = g.kind == RESPONSE
-    resp_masks = _noise_masks(int(is_resp.sum()), cfg, gen)
+    resp_masks, resp_level = _noise_masks(int(is_resp.sum()), cfg, gen)
     masked = (g.kind == TAIL)[None].repeat(len(resp_masks), 1)
     masked[:, is_resp] = resp_masks
+    level = torch.ones(masked.shape)
+    level[:, is_resp] = resp_level
     trained = masked & (is_resp & g.trainable)[None]
     in_copy = torch.isin(g.block, g.block[is_resp])[None].expand_as(masked)
-    return _Units(masked, trained, in_copy, g.steps)
+    return _Units(masked, trained, in_copy, g.steps, level)
 
 
 def _block_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ViewIds, gen: torch.Generator) -> list[_Row]:
@@ -409,7 +416,7 @@ def _copy_segment(g: _BlockGeometry, units: _Units, u: int, mask_id: int, copy: 
 
 def _assemble(s: _Sample, si: int, clean_ids: Tensor, b: int, copies: list[tuple[Segment, Tensor]],
               unit_ids: list[int], units: _Units) -> _Row:
-    segments, cols, resp_index, unit, steps = [clean_segment(clean_ids, b)], [], [], [], []
+    segments, cols, resp_index, unit, steps, level = [clean_segment(clean_ids, b)], [], [], [], [], []
     offset = len(clean_ids)
     response_start = (len(s.prompt) // b) * b - len(s.prompt)  # g index -> response index shift
     for (seg, idx), u in zip(copies, unit_ids):
@@ -418,9 +425,11 @@ def _assemble(s: _Sample, si: int, clean_ids: Tensor, b: int, copies: list[tuple
         resp_index.append(idx[hit] + response_start)
         unit.append(torch.full_like(hit, u))
         steps.append(units.steps[idx[hit]])
+        level.append(units.level[u, idx[hit]])
         segments.append(seg)
         offset += len(seg.ids)
-    return _Row(segments, si, torch.cat(cols), torch.cat(resp_index), torch.cat(unit), torch.cat(steps))
+    return _Row(segments, si, torch.cat(cols), torch.cat(resp_index), torch.cat(unit), torch.cat(steps),
+                torch.cat(level))
 
 
 def _semi_ar_units(s: _Sample, cfg: ViewConfig, gen: torch.Generator) -> _Units:
@@ -431,14 +440,16 @@ def _semi_ar_units(s: _Sample, cfg: ViewConfig, gen: torch.Generator) -> _Units:
     n, t = len(s.resp), len(s.tail)
     blk = torch.arange(n) // s.block
     n_blocks = int(blk.max()) + 1 if n else 0
-    noise = torch.cat([_noise_masks(n, cfg, gen)[:1] for _ in range(n_blocks)]) if n_blocks else \
-        torch.zeros(0, n, dtype=torch.bool)
+    draws = [_noise_masks(n, cfg, gen) for _ in range(n_blocks)]
+    noise = torch.cat([m[:1] for m, _ in draws]) if draws else torch.zeros(0, n, dtype=torch.bool)
+    noise_level = torch.cat([lv[:1] for _, lv in draws]) if draws else torch.ones(0, n)
     k = torch.arange(n_blocks)[:, None]
     resp_masked = (blk[None] > k) | ((blk[None] == k) & noise)
     trained = (blk[None] == k) & noise & s.trainable[None]
     masked = torch.cat([resp_masked, torch.ones(n_blocks, t, dtype=torch.bool)], 1)
     trained = torch.cat([trained, torch.zeros(n_blocks, t, dtype=torch.bool)], 1)
-    return _Units(masked, trained, torch.ones_like(masked), torch.cat([s.steps, s.tail_steps]))
+    level = torch.cat([noise_level, torch.ones(n_blocks, t)], 1)
+    return _Units(masked, trained, torch.ones_like(masked), torch.cat([s.steps, s.tail_steps]), level)
 
 
 def _full_units(s: _Sample, cfg: ViewConfig, gen: torch.Generator) -> _Units:
@@ -451,13 +462,15 @@ def _full_units(s: _Sample, cfg: ViewConfig, gen: torch.Generator) -> _Units:
         rounds = torch.unique(rank[:n][s.trainable])
         masked = rank[None] >= rounds[:, None]
         trained = (rank[:n][None] == rounds[:, None]) & s.trainable[None]
+        level = torch.ones(masked.shape)
     else:
-        resp_masks = _noise_masks(n, cfg, gen)
+        resp_masks, resp_level = _noise_masks(n, cfg, gen)
         masked = torch.cat([resp_masks, torch.ones(len(resp_masks), t, dtype=torch.bool)], 1)
+        level = torch.cat([resp_level, torch.ones(len(resp_masks), t)], 1)
         trained = resp_masks & s.trainable[None]
         collapsed = all_steps
     trained = torch.cat([trained, torch.zeros(len(trained), t, dtype=torch.bool)], 1)
-    return _Units(masked, trained, torch.ones_like(masked), collapsed)
+    return _Units(masked, trained, torch.ones_like(masked), collapsed, level)
 
 
 def _ar_rows(s: _Sample, si: int, ids: ViewIds) -> list[_Row]:
@@ -468,7 +481,8 @@ def _ar_rows(s: _Sample, si: int, ids: ViewIds) -> list[_Row]:
                          "would see the token it predicts")
     seq = torch.cat([s.prompt, s.resp])
     hit = s.trainable.nonzero().squeeze(1)
-    return [_Row([clean_segment(seq, 1)], si, len(s.prompt) + hit, hit, torch.zeros_like(hit), s.steps[hit])]
+    return [_Row([clean_segment(seq, 1)], si, len(s.prompt) + hit, hit, torch.zeros_like(hit), s.steps[hit],
+                 torch.ones(len(hit)))]
 
 
 def _full_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ViewIds, gen: torch.Generator) -> list[_Row]:
@@ -481,7 +495,8 @@ def _full_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ViewIds, gen: torch.Ge
     for u in range(len(units.masked)):
         seq = torch.cat([s.prompt, torch.where(units.masked[u], ids.mask_id, gen_ids)])
         hit = units.trained[u].nonzero().squeeze(1)
-        rows.append(_Row([clean_segment(seq, None)], si, p + hit, hit, torch.full_like(hit, u), units.steps[hit]))
+        rows.append(_Row([clean_segment(seq, None)], si, p + hit, hit, torch.full_like(hit, u), units.steps[hit],
+                         units.level[u, hit]))
     return rows
 
 
@@ -510,6 +525,8 @@ def _finish(rows: list[_Row], samples: list[_Sample], dropped: list[tuple[str, s
     resp_index = torch.cat([r.resp_index for r in rows]) if rows else _empty()
     unit = _global_units(rows, samples)
     token_cols = torch.cat([r.cols for r in rows]) if rows else _empty()
+    # the 1/t weighting of the masked-diffusion ELBO: each noised token counts 1 / (its masking probability)
+    level = torch.cat([r.level for r in rows]) if rows and cfg.elbo_weight else torch.ones(len(token_cols))
     gather = _per_sample_gather(samples, sample_index, resp_index)
     return TrainBatch(
         input_ids=tensors.input_ids, position_ids=tensors.position_ids, layout=tensors.layout,
@@ -517,7 +534,7 @@ def _finish(rows: list[_Row], samples: list[_Sample], dropped: list[tuple[str, s
         rows=torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(n_tok, dtype=torch.long)),
         cols=(token_cols - 1).clamp(min=0) if ids.shift_logits else token_cols, token_cols=token_cols,
         labels=gather("resp"), advantages=gather("adv"), old_logprobs=gather("logp") if exact else
-        torch.full((len(token_cols),), math.nan), weights=_weights(unit, samples, cfg.loss_norm),
+        torch.full((len(token_cols),), math.nan), weights=_weights(unit, samples, cfg.loss_norm) / level,
         sample_index=sample_index, token_index=resp_index,
         steps=torch.cat([r.steps for r in rows]) if rows else _empty(), unit=unit,
         sample_ids=[s.sample_id for s in samples], num_units=int(unit.max()) + 1 if len(unit) else 0,
