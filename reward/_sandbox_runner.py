@@ -1,24 +1,30 @@
-"""Sandbox supervisor, started by ``reward.sandbox`` as ``python -I _sandbox_runner.py`` (stdlib only).
+"""Sandbox supervisor (stdlib only), started by ``reward.sandbox`` as ``python -I -c <bootstrap>`` with this source
+on stdin (so no path of the project appears on any command line), followed by the JSON job.
 
-It reads a JSON job from stdin, optionally sets up private mounts, then runs every test in a fresh forked
-child that applies resource limits, drops privileges and only then executes the untrusted code. The
-supervisor itself never executes user code: it alone decides each verdict (stdio: by comparing the captured
-output; function tests: from a per-test record carrying a per-test nonce) and streams one line per test to its
-own stdout, which no child can reach. A test without a valid record fails.
+It optionally sets up private mounts (a minimal read-only root: the Python runtime, a private /tmp holding the
+working directory, a few device nodes, a fresh /proc), then runs every test in a fresh forked child that applies
+resource limits, drops privileges, installs a seccomp filter and only then executes the untrusted code. The
+supervisor never executes user code and never holds an expected answer: it reports what each child did (the strict
+encoding of a returned value, normalised stdout, or how it failed; see ``reward/verdicts.py``) on its own stdout,
+which no child can reach, and the caller decides the verdict. While a test runs, the resident memory of all the
+job's processes together is watched against the job's memory limit.
 """
 
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import ctypes
 import io
 import json
 import os
+import platform
 import resource
 import secrets
 import selectors
 import signal
+import struct
 import sys
 import time
 
@@ -27,8 +33,10 @@ PR_SET_CHILD_SUBREAPER = 36
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MNT_DETACH = 1, 32, 4096, 16384, 2
 STATUS_FD = 3
 READ_CHUNK = 65536
-STATUS_CAP = 65536
+STATUS_CAP = 2 << 20
 ERR_TAIL = 2000
+VALUE_BUDGET = 1 << 20  # characters of a returned value's encoding
+MEMORY_POLL_S = 0.02
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -80,17 +88,80 @@ def expose(pairs: list[list[str]]) -> None:
 
 
 def setup_mounts(spec: dict) -> str:
-    """Private tmpfs over the world-writable dirs and a fresh /proc (only inside a new mount+pid ns)."""
+    """Private tmpfs over the world-writable dirs and a fresh /proc (only inside a new mount+pid ns); then, where the
+    kernel allows, a minimal read-only root instead of the host's filesystem."""
     size = f"size={int(spec['tmpfs_mb'])}m,mode=1777"
     for target in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
         if os.path.isdir(target):
             _mount("tmpfs", target, "tmpfs", size)
     if os.getpid() == 1:
         _mount("proc", "/proc", "proc")
-    expose(spec.get("expose") or [])
+    if spec.get("minimal_root"):
+        enter_minimal_root(size)
+    else:
+        expose(spec.get("expose") or [])
     work = "/tmp/work"
     os.mkdir(work, 0o700)
     return work
+
+
+RUNTIME_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+
+
+def runtime_paths() -> list[str]:
+    """Directories the interpreter needs: the system's and this Python's own prefix (when outside /usr)."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(
+        sys.executable)))}
+    return sorted(p for p in paths if p and not p.startswith("/usr/") and os.path.isdir(p))
+
+
+def enter_minimal_root(tmp_opts: str) -> None:
+    """Pivot into a fresh tmpfs root holding only the runtime (read-only), /tmp, /dev/shm, a few device nodes and
+    /proc; the host's root is detached, so nothing of the project, data, home directories or /run is reachable."""
+    syscall_nr = PIVOT_ROOT.get(platform.machine())
+    if syscall_nr is None:
+        raise OSError(f"pivot_root: unknown syscall number on {platform.machine()}")
+    root = "/tmp/.root"
+    os.mkdir(root, 0o755)
+    _mount("tmpfs", root, "tmpfs", "size=4m,mode=0755")
+    for path in RUNTIME_DIRS:
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.isdir(path):
+            os.makedirs(root + path, 0o755)
+            _bind(path, root + path)
+    for path in runtime_paths():
+        os.makedirs(root + path, 0o755, exist_ok=True)
+        _bind(path, root + path)
+    os.makedirs(root + "/etc", 0o755)
+    if os.path.isfile("/etc/ld.so.cache"):  # how the dynamic loader finds libraries (programs may start python3)
+        _bind_file("/etc/ld.so.cache", root + "/etc/ld.so.cache")
+    os.makedirs(root + "/dev/shm", 0o755)
+    for name in DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            _bind_file(f"/dev/{name}", f"{root}/dev/{name}", readonly=False)
+    for name in ("tmp", "dev/shm"):
+        os.makedirs(f"{root}/{name}", 0o1777, exist_ok=True)
+        _mount("tmpfs", f"{root}/{name}", "tmpfs", tmp_opts)
+    os.makedirs(root + "/proc", 0o555)
+    _mount("proc", root + "/proc", "proc")
+    os.chdir(root)
+    if _libc.syscall(syscall_nr, b".", b".") != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root: {os.strerror(err)}")
+    if _libc.umount2(b".", MNT_DETACH) != 0:  # the old root, stacked on top of the new one
+        err = ctypes.get_errno()
+        raise OSError(err, f"detaching the host root: {os.strerror(err)}")
+    os.chdir("/")
+    _mount("none", "/", "none", "", MS_REMOUNT | MS_RDONLY)
+
+
+def _bind_file(source: str, target: str, readonly: bool = True) -> None:
+    with open(target, "w"):
+        pass
+    _bind(source, target, readonly)
 
 
 def prepare_workdir(spec: dict) -> str:
@@ -129,6 +200,34 @@ def kill_everything_else() -> None:
                         os.kill(pid, signal.SIGKILL)
         if not _reap_all(1.0):
             return
+
+
+def job_processes() -> list[int]:
+    """Every process of the job but this supervisor (the whole private pid namespace, else our descendants)."""
+    if os.getpid() == 1:
+        return [int(p) for p in os.listdir("/proc") if p.isdigit() and p != "1"]
+    stack, seen = _children(os.getpid()), set()
+    while stack:
+        pid = stack.pop()
+        if pid not in seen:
+            seen.add(pid)
+            stack += _children(pid)
+    return sorted(seen)
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def job_resident_bytes() -> int:
+    """Resident memory of all the job's processes together (shared pages counted in each: an over-estimate)."""
+    total = 0
+    for pid in job_processes():
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def _reap_all(budget_s: float) -> bool:
@@ -175,15 +274,20 @@ class Watch:
 
     def run(self) -> None:
         deadline = time.monotonic() + float(self.spec["time_limit"])
+        memory = int(self.spec["memory_mb"]) << 20
+        wait = MEMORY_POLL_S if memory else 3600.0  # the job's memory is checked between events
         while self.wait_status is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill("timeout")
                 break
-            events = self.sel.select(left if self.pidfd is not None else min(left, 0.01))
+            events = self.sel.select(min(left, wait) if self.pidfd is not None else min(left, 0.01))
             for key, _ in events:
                 self.handle(key)
             if self.killed_for:
+                break
+            if memory and self.wait_status is None and job_resident_bytes() > memory:
+                self.kill("memory")
                 break
             if self.pidfd is None:
                 self.poll_exit()
@@ -298,7 +402,7 @@ def _exc_reason(rec: dict) -> str:
         return "syntax_error"
     if exc == "SystemExit":
         return "exited"
-    if exc == "AssertionError" and rec.get("phase") == "test":
+    if exc in ("AssertionError", "UnsupportedValue") and rec.get("phase") == "test":
         return "wrong_answer"
     return "runtime_error"
 
@@ -307,37 +411,35 @@ def _norm_output(text: str) -> str:
     return " ".join(text.split())
 
 
-def verdict(watch: Watch, nonce: str, expected: str | None) -> tuple[bool, str, str]:
-    """(passed, reason, detail) of one finished test child."""
+def outcome(watch: Watch, nonce: str, probe: dict) -> tuple[str, str, dict]:
+    """(reason, detail, what came back) of one finished test child; reason "ok" = it ran to completion, and the
+    caller then judges what came back (a value's encoding or the normalised stdout)."""
     recs = watch.records(nonce)
     rec = recs[-1] if recs else None
-    err = bytes(watch.err).decode("utf-8", "replace")[-500:]
+    err = bytes(watch.err).decode("utf-8", "replace")[-300:]
     if watch.killed_for:
-        return False, watch.killed_for, err
+        return watch.killed_for, err, {}
     status = watch.wait_status or 0
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        return False, _signal_reason(sig), f"killed by signal {_signal_name(sig)}; {err}"
+        return _signal_reason(sig), f"killed by signal {_signal_name(sig)}; {err}", {}
     if rec is not None and not rec.get("ok"):
-        return False, _exc_reason(rec), f"{rec.get('exc')}: {rec.get('msg', '')}"[:500]
+        return _exc_reason(rec), f"{rec.get('exc')}: {rec.get('msg', '')}"[:300], {}
     code = os.WEXITSTATUS(status)
-    if expected is None:  # function test: only an explicit record counts
+    if probe["kind"] != "stdio":  # function test: only an explicit record counts
         if rec is None:
-            return False, "exited", f"no result record (exit code {code}); {err}"
-        return True, "ok", ""
+            return "exited", f"no result record (exit code {code}); {err}", {}
+        return "ok", "", {"value": rec["value"]} if "value" in rec else {}
     if code != 0:
-        return False, "runtime_error", f"exit code {code}; {err}"
-    got = bytes(watch.out).decode("utf-8", "replace")
-    if _norm_output(got) == _norm_output(expected):
-        return True, "ok", ""
-    return False, "wrong_answer", f"expected {_norm_output(expected)[:200]!r}, got {_norm_output(got)[:200]!r}"
+        return "runtime_error", f"exit code {code}; {err}", {}
+    got = _norm_output(bytes(watch.out).decode("utf-8", "replace"))
+    return "ok", "", {"stdout": got[: int(probe["keep"])]}
 
 
 def run_test(spec: dict, index: int, workdir: str, emit: Emitter) -> None:
-    """Fork a child for test ``index``, supervise it, emit its verdict, clean up all processes."""
-    stdio = spec["method"] == "stdio"
-    test = spec["tests"][index]
-    stdin_data = test["input"].encode() if stdio else b""
+    """Fork a child for test ``index``, supervise it, report what it did, clean up all processes."""
+    probe = spec["tests"][index]
+    stdin_data = probe["input"].encode() if probe["kind"] == "stdio" else b""
     test_nonce = secrets.token_hex(16)
     pipes = {name: os.pipe() for name in ("in", "out", "err", "status")}
     sys.stdout.flush()
@@ -357,9 +459,9 @@ def run_test(spec: dict, index: int, workdir: str, emit: Emitter) -> None:
     watch = Watch(pid, mine, stdin_data, spec)
     start = time.monotonic()
     watch.run()
-    passed, reason, detail = verdict(watch, test_nonce, test["output"] if stdio else None)
-    emit(event="result", test=index, passed=passed, reason=reason, detail=detail,
-         seconds=round(time.monotonic() - start, 4))
+    reason, detail, returned = outcome(watch, test_nonce, probe)
+    emit(event="result", test=index, reason=reason, detail=detail, seconds=round(time.monotonic() - start, 4),
+         **returned)
     kill_everything_else()
 
 
@@ -377,6 +479,58 @@ def _apply_limits(spec: dict) -> None:
     }
     for what, value in limits.items():
         resource.setrlimit(what, value)
+
+
+# seccomp: what a test program never needs. Keyrings (shared with the host: not namespaced), new namespaces (a new
+# user namespace would hand the program capabilities inside it), mounts, tracing, kernel modules, bpf, perf.
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+DENIED_SYSCALLS = {  # name: (x86_64, aarch64)
+    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219), "unshare": (272, 97),
+    "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "chroot": (161, 51),
+    "ptrace": (101, 117), "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282),
+    "kexec_load": (246, 104), "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106),
+    "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264),
+}
+CLONE = {"x86_64": 56, "aarch64": 220}
+CLONE3 = 435  # its flags sit in a struct the filter cannot read: refused with ENOSYS, libc falls back to clone
+CLONE_NEW_ANY = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+RET_ALLOW, RET_ERRNO, RET_KILL = 0x7FFF0000, 0x00050000, 0x80000000
+EPERM, ENOSYS = 1, 38
+LD_W_ABS, JEQ_K, JSET_K, JGE_K, RET_K = 0x20, 0x15, 0x45, 0x35, 0x06
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+
+
+def seccomp_filter() -> bytes | None:
+    """The classic-BPF program of the filter for this machine's architecture (None where unknown)."""
+    machine = platform.machine()
+    if machine not in AUDIT_ARCH:
+        return None
+    col = 0 if machine == "x86_64" else 1
+    denied = [nrs[col] for nrs in DENIED_SYSCALLS.values()]
+    prog = [(LD_W_ABS, 0, 0, 4), (JEQ_K, 1, 0, AUDIT_ARCH[machine]), (RET_K, 0, 0, RET_KILL),
+            (LD_W_ABS, 0, 0, 0)]
+    if machine == "x86_64":  # the x32 ABI (numbers from 0x40000000) is never used by the sandbox's Python
+        prog.append((JGE_K, 0, 1, 0x40000000))
+        prog.append((RET_K, 0, 0, RET_ERRNO | EPERM))
+    for nr in denied:
+        prog += [(JEQ_K, 0, 1, nr), (RET_K, 0, 0, RET_ERRNO | EPERM)]
+    prog += [(JEQ_K, 0, 1, CLONE3), (RET_K, 0, 0, RET_ERRNO | ENOSYS),
+             (JEQ_K, 0, 3, CLONE[machine]), (LD_W_ABS, 0, 0, 16),  # clone's flags (low 32 bits of args[0])
+             (JSET_K, 0, 1, CLONE_NEW_ANY), (RET_K, 0, 0, RET_ERRNO | EPERM),
+             (RET_K, 0, 0, RET_ALLOW)]
+    return b"".join(struct.pack("HBBI", *ins) for ins in prog)
+
+
+def install_seccomp() -> None:
+    """Load the filter (no_new_privs first, so it needs no privilege); every thread and child inherits it."""
+    code = seccomp_filter()
+    buf = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxP", len(code) // 8, ctypes.addressof(buf))
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    arg = ctypes.create_string_buffer(fprog)
+    if _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_void_p(ctypes.addressof(arg)), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
 
 def _drop_privileges(uid: int | None) -> None:
@@ -435,33 +589,40 @@ def child_main(spec: dict, index: int, workdir: str, pipes: dict, nonce: str) ->
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if not spec["net_ns"]:
         _block_network()
-    code, method = spec["code"], spec["method"]
-    test = spec["tests"][index]["statement"] if method == "function" else None
+    code, probe, seccomp = spec["code"], spec["tests"][index], spec.get("seccomp")
     spec.clear()
+    if seccomp:
+        install_seccomp()
     _fresh_stdio()
-    execute(code, test, nonce)
+    execute(code, probe, nonce)
 
 
-def execute(code: str, test: str | None, nonce: str) -> None:
-    """Run ``code`` (then ``test``) and write one status record; os._exit so nothing else runs after."""
+def execute(code: str, probe: dict, nonce: str) -> None:
+    """Run ``code`` then the probe (value: setup + an expression whose value is sent back strictly encoded; stmt: a
+    statement with strict comparisons; stdio: nothing more) and write one status record; os._exit so nothing else
+    runs after."""
     write, dumps, flush_out = os.write, json.dumps, sys.stdout.flush
-    phase = "load" if test is not None else "run"
-    record = {"nonce": nonce, "ok": True, "phase": phase}
+    kind = probe["kind"]
+    record = {"nonce": nonce, "ok": True, "phase": "run" if kind == "stdio" else "load"}
     fallback = {  # pre-encoded: encoding may fail later when the program has used up all memory
-        True: (dumps({**record, "phase": "run" if test is None else "test"}) + "\n").encode(),
+        True: (dumps({**record, "phase": "test" if kind == "stmt" else "run"}) + "\n").encode(),
         False: (dumps({**record, "ok": False, "exc": "MemoryError"}) + "\n").encode(),
     }
     try:
         namespace = {"__name__": "__main__", "__builtins__": builtins}
         exec(compile(code, "solution.py", "exec"), namespace)
-        if test is not None:
-            record["phase"] = "test"
-            exec(compile(test, "test", "exec"), namespace)
+        record["phase"] = "test"
+        namespace.update(__strict_eq__=strict_eq, __strict_in__=strict_in)
+        if kind == "value":
+            exec(compile(probe["setup"], "test", "exec"), namespace)
+            record["value"] = encode_value(eval(compile(probe["expr"], "test", "eval"), namespace))
+        elif kind == "stmt":
+            exec(compile(probe["statement"], "test", "exec"), namespace)
     except SystemExit as exc:
-        if test is not None or exc.code not in (None, 0):
+        if kind != "stdio" or exc.code not in (None, 0):
             record.update(ok=False, exc="SystemExit", msg=str(exc.code))
     except BaseException as exc:  # noqa: BLE001 - everything the program raises is a failed test
-        record.update(ok=False, exc=type(exc).__name__, msg=_safe_str(exc))
+        record.update(ok=False, exc=_type(exc).__name__, msg=_safe_str(exc))
     try:
         flush_out()
         sys.stdout.flush()
@@ -470,9 +631,87 @@ def execute(code: str, test: str | None, nonce: str) -> None:
     try:
         payload = (dumps(record) + "\n").encode()
     except BaseException:  # noqa: BLE001 - e.g. no memory left to encode the record
-        payload = fallback[bool(record["ok"])]
+        payload = fallback[bool(record["ok"])] if "value" not in record else fallback[False]
     write(STATUS_FD, payload)
     os._exit(0)
+
+
+# --------------------------------------------------------------------------------- strict values (child side)
+# Captured before any program runs: a program that rebinds builtins or collections cannot change what these are.
+_type, _len, _repr, _str, _isinstance = type, len, repr, str, isinstance
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)  # dict's own __eq__
+_SEQUENCES = {list: "l", tuple: "t", set: "S", frozenset: "F"}
+
+
+class UnsupportedValue(Exception):
+    """A value that is not made of exact builtin types (a subclass or an object with its own equality)."""
+
+
+def encode_value(value, depth: int = 0, budget: list | None = None):
+    """Tagged JSON-able form of a value made only of exact builtin types (bool, int, float, complex, str, bytes,
+    None, list, tuple, set, frozenset, dict and the stdlib dicts that keep dict's equality); anything else raises
+    UnsupportedValue: such a value could compare equal to anything."""
+    budget = [VALUE_BUDGET] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 100:
+        raise UnsupportedValue("the returned value is too large or too deeply nested")
+    t = _type(value)
+    if value is None:
+        return ["N"]
+    if t is bool:
+        return ["b", value]
+    if t is int:
+        text = _str(value)
+    elif t is float:
+        text = _repr(value)
+    elif t is complex:
+        budget[0] -= 64
+        return ["c", _repr(value.real), _repr(value.imag)]
+    elif t is str:
+        text = value
+    elif t is bytes:
+        text = value.hex()
+    elif t in _SEQUENCES:
+        return [_SEQUENCES[t], [encode_value(v, depth + 1, budget) for v in value]]
+    elif t in _DICTS:
+        return ["d", [[encode_value(k, depth + 1, budget), encode_value(v, depth + 1, budget)]
+                      for k, v in dict.items(value)]]
+    else:
+        raise UnsupportedValue(f"returned a {t.__name__}, not a builtin value")
+    budget[0] -= _len(text)
+    if budget[0] < 0:
+        raise UnsupportedValue("the returned value is too large")
+    tag = {int: "i", float: "f", str: "s", bytes: "y"}[t]
+    return [tag, text]
+
+
+def canonical(value, depth: int = 0):
+    """A copy of ``value`` rebuilt from exact builtin types (UnsupportedValue otherwise)."""
+    if depth > 100:
+        raise UnsupportedValue("too deeply nested")
+    t = _type(value)
+    if value is None or t in (bool, int, float, complex, str, bytes):
+        return value
+    if t in _SEQUENCES:
+        return t(canonical(v, depth + 1) for v in value)
+    if t in _DICTS:
+        return {canonical(k, depth + 1): canonical(v, depth + 1) for k, v in dict.items(value)}
+    raise UnsupportedValue(f"compared a {t.__name__}, not a builtin value")
+
+
+def strict_eq(a, b) -> bool:
+    """``a == b`` decided on builtin copies: a custom ``__eq__`` never runs."""
+    try:
+        return canonical(a) == canonical(b)
+    except UnsupportedValue:
+        return False
+
+
+def strict_in(a, b) -> bool:
+    try:
+        return canonical(a) in canonical(b)
+    except (UnsupportedValue, TypeError):
+        return False
 
 
 def _safe_str(exc: BaseException) -> str:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Literal
 
 from core.schema import Settings, bounded
+from reward.verdicts import Check, judge, plan_tests
 
 __all__ = [
     "SandboxConfig",
@@ -60,9 +61,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-RUNNER = str(Path(__file__).with_name("_sandbox_runner.py"))
+RUNNER = Path(__file__).with_name("_sandbox_runner.py")
+# The supervisor's source goes through stdin, so no path of the project is on any command line a program can read.
+_BOOT = ("import sys;b=sys.stdin.buffer;n=int(b.readline());"
+         "exec(compile(b.read(n),'sandbox-runner','exec'),{'__name__':'__main__'})")
 _FENCE_RE = re.compile(r"```(?:python3?|py)\b[^\n]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_RESULT_CAP = 16 << 20
+_RESULT_CAP = 64 << 20
 
 
 # -------------------------------------------------------------------------------------------- extraction
@@ -211,9 +215,35 @@ def _uid_mapped(uid: int) -> bool:
     return False
 
 
-@functools.cache
+_CAPS_LOCK = threading.Lock()
+
+
 def sandbox_capabilities(isolation: str = "auto") -> dict:
-    """What containment this machine gives: mode, net_ns, pid_ns, mount_ns, uid_drop, the unshare prefix."""
+    """What containment this machine gives: mode, net_ns, pid_ns, mount_ns, ipc_ns, uid_drop, minimal_root (a
+    read-only root holding only the runtime), seccomp, job_memory (how the memory limit covers a job), the unshare
+    prefix. Probed once per process, by running a small job through the real code path."""
+    with _CAPS_LOCK:
+        return _capabilities(isolation)
+
+
+@functools.cache
+def _capabilities(isolation: str) -> dict:
+    caps = _namespaces(isolation)
+    features = {"minimal_root": False, "seccomp": False, "job_memory": "resident memory of all the job's processes, "
+                "polled every 20 ms"}
+    probe = CodeJob("import ctypes, fractions\ndef f(x):\n    return x + 1\n", "function", ["assert f(1) == 2"],
+                    time_limit=5.0)
+    for minimal_root, seccomp in ((True, True), (True, False), (False, True)):
+        if minimal_root and not caps["mount_ns"]:
+            continue
+        trial = {**caps, "minimal_root": minimal_root, "seccomp": seccomp}
+        if _run(probe, SandboxConfig(isolation=isolation), 63, 1, trial).all_passed:
+            features.update(minimal_root=minimal_root, seccomp=seccomp)
+            break
+    return {**caps, **features}
+
+
+def _namespaces(isolation: str) -> dict:
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
     caps = {"mode": "none", "net_ns": False, "pid_ns": False, "mount_ns": False, "ipc_ns": False,
@@ -242,8 +272,14 @@ def describe_sandbox() -> str:
     gaps = [name for key, name in (("net_ns", "network"), ("pid_ns", "process"), ("mount_ns", "filesystem"),
                                    ("ipc_ns", "IPC")) if not caps[key]]
     gaps = [f"no {name} namespace" for name in gaps]
-    gaps += ["host files outside /tmp are readable", "function-test verdicts are computed inside the program's "
-             "process (forgeable)", "memory and process limits are per process, not per job"]
+    if not caps["minimal_root"]:
+        gaps.append("host files are readable (no minimal read-only root)")
+    if not caps["seccomp"]:
+        gaps.append("no seccomp filter (keyrings, new namespaces)")
+    if not caps["uid_drop"]:
+        gaps.append("programs run as the caller's uid (process limits count the caller's processes)")
+    gaps += [f"job memory: {caps['job_memory']}, not a cgroup", "tests that are not assert <expr> == <literal> "
+             "(or isclose / truthiness) nor stdio are judged inside the program's process"]
     return f"sandbox mode {caps['mode']!r}; known gaps: {'; '.join(gaps)}"
 
 
@@ -334,14 +370,16 @@ class _Slots:
 _SLOTS = _Slots()
 
 
-def _spec(job: CodeJob, cfg: SandboxConfig, caps: dict, uid: int | None, workdir: str, nonce: str) -> dict:
+def _spec(job: CodeJob, cfg: SandboxConfig, caps: dict, uid: int | None, workdir: str, nonce: str,
+          probes: list[dict]) -> dict:
     nproc = cfg.max_procs if uid is not None else _user_task_count() + cfg.max_procs
     return {
-        "nonce": nonce, "code": job.code, "method": job.test_method, "tests": job.tests(),
+        "nonce": nonce, "code": job.code, "tests": probes,
         "time_limit": job.time_limit, "memory_mb": cfg.memory_mb, "nproc": nproc,
         "max_output_bytes": cfg.max_output_bytes, "max_file_bytes": cfg.max_file_bytes,
         "tmpfs_mb": cfg.tmpfs_mb, "uid": uid, "workdir": workdir,
         "net_ns": caps["net_ns"], "mount_ns": caps["mount_ns"], "expose": caps["expose"],
+        "minimal_root": caps.get("minimal_root", False), "seccomp": caps.get("seccomp", False),
     }
 
 
@@ -421,13 +459,19 @@ def _missing_cause(events: list[dict], timed_out: bool, stderr: bytes) -> tuple[
     return "killed", "supervisor died"
 
 
-def _collect(events: list[dict], n_tests: int, timed_out: bool, stderr: bytes) -> list[TestResult]:
-    """Per-test results from the supervisor's events; tests without a result fail with a cause."""
+def _collect(events: list[dict], checks: list[Check], timed_out: bool, stderr: bytes) -> list[TestResult]:
+    """Per-test verdicts: what the supervisor reports each child did, judged here against the expected answers
+    (which never entered the sandbox); tests without a report fail with a cause."""
     results: dict[int, TestResult] = {}
+    n_tests = len(checks)
     for ev in events:
-        if ev.get("event") == "result" and isinstance(ev.get("test"), int):
-            results[ev["test"]] = TestResult(bool(ev["passed"]), str(ev["reason"]), str(ev.get("detail", "")),
-                                             float(ev.get("seconds", 0.0)))
+        i = ev.get("test")
+        if ev.get("event") != "result" or not isinstance(i, int) or not 0 <= i < n_tests:
+            continue
+        passed, reason, detail = False, str(ev.get("reason")), str(ev.get("detail", ""))
+        if reason == "ok":
+            passed, reason, detail = judge(checks[i], ev)
+        results[i] = TestResult(passed, reason, detail, float(ev.get("seconds", 0.0)))
     if len(results) == n_tests:
         return [results[i] for i in range(n_tests)]
     reason, detail = _missing_cause(events, timed_out, stderr)
@@ -462,18 +506,27 @@ def run_program(job: CodeJob, config: SandboxConfig | None = None, slot: int | N
             _SLOTS.release(slot)
 
 
-def _run(job: CodeJob, cfg: SandboxConfig, slot: int, n_tests: int) -> RunResult:
-    caps = sandbox_capabilities(cfg.isolation)
+def _interpreter() -> str:
+    """The base interpreter (not a virtualenv's path inside the project): the supervisor needs only the stdlib."""
+    base = getattr(sys, "_base_executable", None)
+    return base if base and os.path.exists(base) else os.path.realpath(sys.executable)
+
+
+def _run(job: CodeJob, cfg: SandboxConfig, slot: int, n_tests: int, caps: dict | None = None) -> RunResult:
+    caps = caps or sandbox_capabilities(cfg.isolation)
     uid = _sandbox_uid(cfg, slot) if caps["uid_drop"] else None
     nonce = secrets.token_hex(16)
+    probes, checks = zip(*plan_tests(job.tests()))
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     start = time.monotonic()
     try:
         if uid is not None:
             os.chown(workdir, uid, uid)
-        payload = json.dumps(_spec(job, cfg, caps, uid, workdir, nonce)).encode()
-        # -I: isolated mode, so reward/ (which holds a math.py) never shadows the standard library
-        cmd = [*caps["prefix"], sys.executable, "-I", "-X", "utf8", RUNNER]
+        source = RUNNER.read_bytes()
+        payload = b"%d\n" % len(source) + source + json.dumps(_spec(job, cfg, caps, uid, workdir, nonce,
+                                                                     list(probes))).encode()
+        # -I: isolated mode (no site-packages, no script directory on sys.path)
+        cmd = [*caps["prefix"], _interpreter(), "-I", "-X", "utf8", "-c", _BOOT]
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     cwd=workdir, env=_clean_env(workdir), start_new_session=True, close_fds=True)
@@ -493,7 +546,7 @@ def _run(job: CodeJob, cfg: SandboxConfig, slot: int, n_tests: int) -> RunResult
             for ev in events:
                 if ev.get("event") == "start" and isinstance(ev.get("pgid"), int) and ev["pgid"] > 1:
                     _kill_group(ev["pgid"])
-        tests = _collect(events, n_tests, timed_out, err)
+        tests = _collect(events, list(checks), timed_out, err)
     finally:
         _remove_tree(workdir)
     return _finish(tests, time.monotonic() - start)

@@ -325,3 +325,151 @@ def test_describe_sandbox_names_the_mode_and_its_gaps():
     assert f"mode {CAPS['mode']!r}" in line and "known gaps" in line and "\n" not in line
     if not CAPS.get("ipc_ns"):
         assert "no IPC namespace" in line
+
+
+# ------------------------------------------------------------------ verdicts no program can forge (issue classes)
+needs_minimal_root = pytest.mark.skipif(not CAPS["minimal_root"], reason=f"mode {CAPS['mode']}: host files visible")
+needs_seccomp = pytest.mark.skipif(not CAPS["seccomp"], reason="no seccomp filter on this machine")
+ALWAYS_EQUAL = "class Yes:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+
+
+@pytest.mark.parametrize("test", ["assert add(1, 2) == 3", "assert 3 == add(1, 2)", "assert add(1, 2) == 1 + 2",
+                                  "assert add(1, 2) in [3]", "r = add(1, 2)\nassert r == 3",
+                                  "assert math.isclose(add(1, 2), 3.0)", "assert not add(1, 2) != 3"])
+def test_an_object_equal_to_everything_passes_nothing(test):
+    code = ALWAYS_EQUAL + "import math\ndef add(a, b):\n    return Yes()\n"
+    bad = run_then_good(fn_job(code, [test]))
+    assert bad.pass_fraction == 0.0 and bad.reason == "wrong_answer", bad.tests[0]
+
+
+def test_subclasses_of_builtins_with_their_own_equality_pass_nothing():
+    code = "class Int(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Int(0)\n"
+    bad = run_then_good(fn_job(code, ["assert add(1, 2) == 3", "assert [add(1, 2)] == [3]"]))
+    assert bad.pass_fraction == 0.0 and bad.reason == "wrong_answer"
+
+
+def test_walking_frames_and_objects_finds_no_answer_to_forge():
+    """The program searches its frames and every object of its process for the expected answer (and the nonce) and
+    writes a forged success record with what it found: the answer never entered the process."""
+    code = (
+        "import gc, json, os, sys\n"
+        "def add(a, b):\n"
+        "    nonce, found = None, []\n"
+        "    frame = sys._getframe()\n"
+        "    while frame is not None:\n"
+        "        for v in list(frame.f_locals.values()):\n"
+        "            if isinstance(v, str) and len(v) == 32:\n"
+        "                nonce = v\n"
+        "        frame = frame.f_back\n"
+        "    for obj in gc.get_objects():\n"
+        "        text = obj if isinstance(obj, str) else repr(obj) if isinstance(obj, (dict, list, tuple)) else ''\n"
+        "        if '918273' in text and 'add(' not in text:\n"
+        "            found.append(text)\n"
+        "    if nonce:\n"
+        "        value = found[0] if found else '0'\n"
+        "        os.write(3, (json.dumps({'nonce': nonce, 'ok': True, 'phase': 'test',\n"
+        "                                 'value': ['i', value]}) + '\\n').encode())\n"
+        "        os._exit(0)\n"
+        "    return 0\n"
+    )
+    bad = run_then_good(fn_job(code, ["assert add(1, 2) == 918273645"]))
+    assert bad.pass_fraction == 0.0 and bad.reason == "wrong_answer", bad.tests[0]
+
+
+def test_stdio_expected_output_never_reaches_the_program():
+    code = ("import gc\nseen = any('secret-answer-77' in o for o in gc.get_objects() if isinstance(o, str))\n"
+            "print('secret-answer-77' if seen else 'nothing')\n")
+    job = CodeJob(code, "stdio", test_input=["x\n"], test_output=["secret-answer-77\n"], time_limit=2)
+    bad = run_then_good(job, stdio=True)
+    assert bad.pass_fraction == 0.0 and bad.reason == "wrong_answer"
+
+
+def test_memory_spread_over_processes_counts_against_the_job():
+    """Four processes of 120 MB each stay under the per-process limit (256 MB) but not under the job's."""
+    code = ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        block = b'x' * (120 << 20)\n        time.sleep(10)\n        os._exit(0)\n    kids.append(pid)\n"
+            "for pid in kids:\n    os.waitpid(pid, 0)\ndef f(x):\n    return x + 1\n")
+    bad = run_then_good(fn_job(code, time_limit=5.0))
+    assert bad.pass_fraction == 0.0 and bad.reason == "memory", bad.tests[0]
+    if CAPS["uid_drop"]:
+        assert _sandbox_uid_processes() == []
+
+
+@needs_minimal_root
+def test_the_checkout_and_host_files_are_not_readable():
+    code = (f"import os\nrepo = {str(REPO)!r}\nleaks = []\n"
+            "for path in [repo + '/README.md', '/etc/hostname', '/etc/passwd', '/run', '/home', '/work', '/sys']:\n"
+            "    try:\n        leaks.append(open(path).read()[:10] if os.path.isfile(path) else os.listdir(path))\n"
+            "    except OSError:\n        pass\n"
+            "for pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+            "    try:\n        if repo.encode() in open(f'/proc/{pid}/cmdline', 'rb').read():\n"
+            "            leaks.append(pid)\n    except OSError:\n        pass\n"
+            "def f(x):\n    return x + 1 if leaks else -1\n")
+    bad = run_then_good(fn_job(code))
+    assert bad.pass_fraction == 0.0 and bad.reason == "wrong_answer", bad.tests[0]
+    # ... while the runtime still works: stdlib imports, its own files, /dev/null, subprocesses of python3
+    ok = ("import fractions, json, os, subprocess, sys\nopen('mine.txt', 'w').write('1')\n"
+          "open('/dev/null', 'w').write('x')\n"
+          "out = subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True).stdout\n"
+          "def f(x):\n    return x + 1 if open('mine.txt').read() == '1' and out.strip() == '42' else -1\n")
+    assert run_program(fn_job(ok), CFG).all_passed
+
+
+@needs_minimal_root
+def test_unix_sockets_created_outside_are_unreachable(tmp_path_factory):
+    sock_dir = REPO / f".sock-{uuid.uuid4().hex[:8]}"
+    sock_dir.mkdir()
+    path = str(sock_dir / "s")
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(path)
+        os.chmod(sock_dir, 0o777)
+        os.chmod(path, 0o777)
+        server.listen(5)
+        server.settimeout(0.3)
+        code = (f"import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect({path!r})\n"
+                "    return x + 1\n")
+        bad = run_then_good(fn_job(code))
+        assert bad.pass_fraction == 0.0 and bad.reason == "runtime_error"
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+        Path(path).unlink(missing_ok=True)
+        sock_dir.rmdir()
+
+
+@needs_seccomp
+def test_keyrings_and_new_namespaces_are_refused():
+    import platform
+
+    add_key = {"x86_64": 248, "aarch64": 217}[platform.machine()]
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"key = libc.syscall({add_key}, b'user', b'dllm-probe', b'secret', 6, -4)\n"
+            "userns = libc.unshare(0x10000000)\n"
+            "def f(x):\n    return x + 1 if key >= 0 or userns == 0 else -1\n")
+    bad = run_then_good(fn_job(code))
+    assert bad.pass_fraction == 0.0 and bad.reason == "wrong_answer", bad.tests[0]
+
+
+@pytest.mark.parametrize(("code", "tests"), [
+    ("def f(x):\n    print('working', x)\n    return x * 2\n", ["assert f(2) == 4", "assert f(-1) == -2"]),
+    ("def f(s):\n    return s.upper()\n", ["assert f('ab') == 'AB'", "assert f('') == ''"]),
+    ("def f(n):\n    return list(range(n))\n", ["assert f(3) == [0, 1, 2]", "assert f(0) == []"]),
+    ("def f(n):\n    return (n, {'k': [n]}, {n}, None, True)\n", ["assert f(1) == (1, {'k': [1]}, {1}, None, True)"]),
+    ("def f(x):\n    return x / 3\n", ["assert f(1.5) == 0.5", "assert math.isclose(f(1), 0.33333333, rel_tol=1e-6)",
+                                      "assert abs(f(1) - 0.3333) < 1e-3", "assert f(3) == 1"]),
+    ("from collections import defaultdict, Counter\ndef f(s):\n    d = defaultdict(int)\n    for c in s:\n"
+     "        d[c] += 1\n    return d\ndef g(s):\n    return Counter(s)\n",
+     ["assert f('aab') == {'a': 2, 'b': 1}", "assert g('ab') == {'a': 1, 'b': 1}"]),
+    ("def is_even(n):\n    return n % 2 == 0\n", ["assert is_even(4)", "assert not is_even(3)",
+                                                   "assert is_even(2) is True", "assert is_even(2) == True"]),
+    ("class Solution:\n    def twice(self, x):\n        return 2 * x\n",
+     ["s = Solution()\nassert s.twice(4) == 8", "assert Solution().twice(2) == 2 + 2",
+      "for k in range(3):\n    assert Solution().twice(k) == 2 * k"]),
+    ("def f(n):\n    return 2 ** n\n", ["assert f(200) == " + str(2 ** 200)]),
+    ("def f(b):\n    return b[::-1]\n", ["assert f(b'ab') == b'ba'", "assert f('x') in ['x', 'y']"]),
+])
+def test_plain_answers_still_pass(code, tests):
+    res = run_program(fn_job("import math\n" + code, tests), CFG)
+    assert res.all_passed, res.tests
