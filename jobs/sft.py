@@ -1,7 +1,8 @@
 """The SFT job behind ``train/sft_<family>.py``: data -> samples -> SFTTrainer steps -> checkpoints.
 
 Data (``dataset.optimization_data``): ``data/<name>.json|.jsonl``, a path to such a file, a ``datasets`` folder
-saved with ``save_to_disk``, or ``builtin:arithmetic``. Rows are ``{prompt, response[, step_map]}`` or chat
+saved with ``save_to_disk``, ``hub:<org>/<name>[:<split>]`` (a hub dataset, read through the ``datasets`` cache, so
+it works offline once downloaded), or ``builtin:arithmetic``. Rows are ``{prompt, response[, step_map]}`` or chat
 ``{messages: [...]}`` (the last assistant message is the response). Prompts are rendered with the tokenizer's chat
 template (a prompt that already contains the template's special tokens is taken as it is); the response is
 encoded as text and closed with the family's turn-end token; the loss covers response tokens only. Rows whose
@@ -57,7 +58,9 @@ def builtin_rows(name: str, n: int, seed: int, difficulty: int) -> list[dict]:
 
 
 def read_rows(name: str, data_dir: str = "data") -> list[dict]:
-    """Rows of an SFT dataset file or ``datasets`` folder (validated: prompt/response or messages)."""
+    """Rows of an SFT dataset file, ``datasets`` folder or hub dataset (validated: prompt/response or messages)."""
+    if name.startswith("hub:"):
+        return _hub_rows(name)
     path = Path(name)
     if not path.exists():
         path = Path(data_dir) / (name if name.endswith((".json", ".jsonl")) else f"{name}.json")
@@ -78,6 +81,24 @@ def read_rows(name: str, data_dir: str = "data") -> list[dict]:
     if not raw:
         raise DataFormatError(f"{path}: the dataset has no rows")
     return [_check_row(r, str(path), i) for i, r in enumerate(raw)]
+
+
+def _hub_rows(name: str) -> list[dict]:
+    """Rows of ``hub:<org>/<name>[:<split>]`` from the ``datasets`` cache (downloaded there when online)."""
+    repo, _, split = name[len("hub:"):].partition(":")
+    if repo.count("/") != 1:
+        raise DataFormatError(f"{name}: expected hub:<org>/<name>[:<split>]")
+    from datasets import load_dataset
+
+    try:
+        rows = [dict(r) for r in load_dataset(repo, split=split or "train")]
+    except Exception as exc:  # noqa: BLE001 - offline and not cached, unknown split, ...: one line with the cause
+        raise DataFormatError(f"{name}: could not load the hub dataset ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); download it once with network "
+                              "access or use a local file") from None
+    if not rows:
+        raise DataFormatError(f"{name}: the dataset has no rows")
+    return [_check_row(r, name, i) for i, r in enumerate(rows)]
 
 
 def _check_row(row: Any, where: str, i: int) -> dict:
@@ -154,7 +175,7 @@ class SFTJob:
             ensure_demo_model(cfg.model)
         barrier(self.acc)
         source = str(self.last / "policy") if resume else cfg.model.pretrained_model
-        self.adapter = load_model(replace(cfg.model, pretrained_model=source), device=default_device()).adapter
+        self.adapter = load_model(replace(cfg.model, pretrained_model=source), device=default_device())
         self.samples = self._samples()
         per_step = t.samples_per_step or len(self.samples)
         self.steps_per_epoch = math.ceil(len(self.samples) / per_step)

@@ -268,3 +268,23 @@ def test_long_cot_rows_keep_their_think_tokens_and_train_every_block(tiny, tmp_p
     # max_gen_length keeps the first tokens only; the rest is never trained
     batch = _weights_of(adapter, [sample], method="trace", max_gen_length=64)
     assert sorted(batch.token_index.tolist()) == list(range(64))
+
+
+def test_hub_datasets_are_read_through_the_datasets_cache(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load(repo, split):
+        calls.append((repo, split))
+        if repo == "org/missing":
+            raise ConnectionError("offline and not in the cache\nmore")
+        return datasets.Dataset.from_list([{"prompt": "Q", "response": "A"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    assert read_rows("hub:org/sft-data") == [{"prompt": "Q", "response": "A"}]
+    assert read_rows("hub:org/sft-data:validation") and calls[-1] == ("org/sft-data", "validation")
+    with pytest.raises(Exception, match=r"hub:org/missing: could not load .*ConnectionError: offline and not in"):
+        read_rows("hub:org/missing")
+    with pytest.raises(Exception, match="expected hub:<org>/<name>"):
+        read_rows("hub:no-org")
