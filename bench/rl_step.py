@@ -84,7 +84,7 @@ def reference_way(job: RLJob, tmp: Path) -> dict[str, float]:
     def load():
         from core.schema import replace
 
-        return load_model(replace(cfg.model, pretrained_model=str(policy))).adapter
+        return load_model(replace(cfg.model, pretrained_model=str(policy)))
 
     clock("saving", save)
     sampler = clock("reload_for_sampling", load)

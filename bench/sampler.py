@@ -3,6 +3,7 @@
     python -m bench.sampler                          # tiny model on CPU (hidden 128, 4 layers, demo vocab)
     python -m bench.sampler --preset cpu             # hidden 256: batch 32 becomes compute-bound on 2 CPU cores
     python -m bench.sampler --device cuda --preset 1.7b --batch 64
+    python -m bench.sampler --baseline 428247e       # also run the same measurements on an older commit
 
 Prints the hardware first, then tokens/s and tokens per forward for: our sampler at batch 1 and batch N, the
 no-cache reference path (``cache="none"``: recompute the whole sequence every step) at batch 1 and batch N, and
@@ -12,13 +13,23 @@ reported (shared machines are noisy).
 
 On CPU, batching pays by amortising per-forward overhead: once a batch-32 forward is compute-bound (the 3.3M-param
 ``cpu`` preset reaches ~50 GFLOP/s on 2 cores) the batch/loop ratio is capped by FLOPs, not by the sampler.
+
+``--baseline REF`` measures batch 1 (one prompt at a time, over the N prompts), batch N and an AR-equivalent run
+(block 1, one step per block: one token per forward, what an autoregressive model of the same shape costs) with
+the code of commit REF too, in a subprocess over a temporary ``git worktree`` (same model seed, same prompts, same
+machine, interleaved rounds) and prints the ratios ours / REF.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -92,6 +103,52 @@ def loop_one_at_a_time(adapter, prompts: list[list[int]], params: SamplingParams
     return RolloutStats(**total)
 
 
+def measure_core(args: argparse.Namespace) -> dict[str, list[float]]:
+    """[tokens/s, forwards per token] of batch 1 (prompt by prompt), batch N and the AR-equivalent run, with the
+    code importable here (only APIs that older commits have too)."""
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    adapter = build_adapter(args.preset, args.device, dtype, args.block_size)
+    prompts = make_prompts(args.batch, adapter.model.config.vocab_size)
+    params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps, temperature=1.0, seed=0,
+                            ignore_eos=True, stop_token_ids=[], max_active=args.batch)
+    ar = SamplingParams(**{**params.__dict__, "block_size": 1, "denoising_steps": 1})
+    run(adapter, prompts[:2], params, args.device)  # warm-up
+    rep, dev = args.repeat, args.device
+    out = {"batch 1": loop_one_at_a_time(adapter, prompts[: args.loop_prompts], params, dev, rep),
+           f"batch {args.batch}": best_of(rep, run, adapter, prompts, params, dev),
+           "AR-equivalent, batch 1": loop_one_at_a_time(adapter, prompts[: args.loop_prompts], ar, dev, rep)}
+    return {k: [s.tokens_per_second, s.forwards / max(s.generated_tokens, 1)] for k, s in out.items()}
+
+
+def measure_at(ref: str, argv: list[str]) -> dict[str, list[float]]:
+    """``measure_core`` with the code of commit ``ref`` (a temporary git worktree; this script, that code)."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
+        tree = str(Path(tmp) / "tree")
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q", tree, ref], check=True)
+        try:
+            env = {**os.environ, "PYTHONPATH": tree}
+            done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--measure-json"], cwd=tree,
+                                  env=env, capture_output=True, text=True, check=True)
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", tree], check=False)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare_with_baseline(args: argparse.Namespace, argv: list[str]) -> None:
+    rounds = []
+    for _ in range(args.rounds):  # interleaved, so machine noise hits both sides alike
+        rounds.append((measure_at(args.baseline, argv), measure_core(args)))
+    print(f"\nours vs commit {args.baseline} ({args.rounds} interleaved rounds; tokens/s best of rounds; "
+          f"batch 1 = {args.loop_prompts} prompts one at a time)")
+    print(f"{'variant':<26}{'base tok/s':>12}{'ours tok/s':>12}{'ratio':>8}{'base fwd/tok':>14}{'ours fwd/tok':>14}")
+    for key in rounds[0][0]:
+        base = max(r[0][key][0] for r in rounds)
+        ours = max(r[1][key][0] for r in rounds)
+        print(f"{key:<26}{base:>12.1f}{ours:>12.1f}{ours / base:>7.2f}x{rounds[0][0][key][1]:>14.3f}"
+              f"{rounds[0][1][key][1]:>14.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -105,9 +162,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=3, help="runs per variant; the fastest is reported")
     ap.add_argument("--skip-slow", action="store_true", help="skip the no-cache baseline at batch N")
+    ap.add_argument("--baseline", default=None, help="also measure the code of this git commit (see above)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the baseline comparison")
+    ap.add_argument("--loop-prompts", type=int, default=8, help="prompts sampled one at a time (comparison)")
+    ap.add_argument("--measure-json", action="store_true", help=argparse.SUPPRESS)
+    argv = sys.argv[1:]
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.measure_json:
+        print(json.dumps(measure_core(args)))
+        return
+    if args.baseline:
+        own = [a for i, a in enumerate(argv) if a != "--baseline" and (i == 0 or argv[i - 1] != "--baseline")]
+        print(hardware_line(args.device))
+        compare_with_baseline(args, [a for a in own if not a.startswith("--baseline=")])
+        return
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     print(hardware_line(args.device))
     adapter = build_adapter(args.preset, args.device, dtype, args.block_size)

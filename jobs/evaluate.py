@@ -18,7 +18,7 @@ from core.loader import ConfigError
 from jobs.dist import barrier, gather_objects, is_main, rank_world
 from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded
 from models.registry import ModelLoadError, load_model
-from sample.get_trace_viewer import build_trace_html
+from sample.trace_viewer import build_trace_html
 from sample.trajectory import Trajectory, write_jsonl
 
 TRACE_SAMPLES = 16
@@ -149,11 +149,11 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
             ensure_demo_model(cfg.model)
         barrier(acc)
         device = acc.device if acc is not None else default_device()
-        loaded = load_model(cfg.model, device=device)
+        adapter = load_model(cfg.model, device=device)
         for params in cfg.rollout.runs():
-            check_for_model("rollout", params, loaded.adapter)
+            check_for_model("rollout", params, adapter)
         tasks = load_tasks(cfg.dataset.eval_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed)
-        results = evaluate(loaded.adapter, tasks, cfg.dataset.data_type, cfg.rollout, cfg.execute,
+        results = evaluate(adapter, tasks, cfg.dataset.data_type, cfg.rollout, cfg.execute,
                            cfg.experiment.seed, run.dir if run else None, cfg.dataset.eval_dataset,
                            accelerator=acc, progress=progress and main)
         for r in results:

@@ -160,8 +160,7 @@ class RLJob:
             barrier(self.acc)
         source = cfg.model.pretrained_model if resume_from is None else str(self._policy_dir(resume_from))
         model_cfg = _with_path(cfg.model, source)
-        loaded = load_model(model_cfg, device=default_device())
-        self.adapter = loaded.adapter
+        self.adapter = load_model(model_cfg, device=default_device())
         check_for_model("rollout", cfg.rollout, self.adapter)
         for params in cfg.evaluation.runs():
             check_for_model("evaluation", params, self.adapter)

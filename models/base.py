@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from models.common import AttentionLayout, KVCache, rope_cos_sin
+from models.common import AttentionLayout, KVCache, rope_cos_sin, stored_columns
 
 
 def positions_from_mask(valid: Tensor, offset: int = 0) -> Tensor:
@@ -41,7 +41,7 @@ class BackboneMixin:
         position_ids: Tensor | None = None,
         layout: AttentionLayout | None = None,
         past_key_values: KVCache | None = None,
-        store_kv: bool = False,
+        store_kv: bool | int = False,  # True: keep the new K/V in the cache; n: keep only the first n columns
         inputs_embeds: Tensor | None = None,
         attn_backend: str | None = None,
         **_: object,
@@ -64,8 +64,8 @@ class BackboneMixin:
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:
                 x = layer(*args)
-        if store_kv and past_key_values is not None:
-            past_key_values.append_valid(layout.valid)
+        if store_kv is not False and past_key_values is not None:
+            past_key_values.append_valid(layout.valid[:, :stored_columns(store_kv, n)])
         return BaseModelOutputWithPast(last_hidden_state=self.final_norm(x), past_key_values=past_key_values)
 
     def new_cache(self) -> KVCache:

@@ -65,17 +65,23 @@ class AttentionLayout:
         return self._masks["dense"]
 
     def _build_dense_mask(self) -> Tensor:
-        bq, bk = self.block[:, :, None], self.block[:, None, :]
-        cq, ck = self.copy[:, :, None], self.copy[:, None, :]
-        clean_key = (ck == 0) & ((bk < bq) | ((bk == bq) & (cq == 0)))
-        same_copy = (ck != 0) & (ck == cq) & (bk == bq)
-        mask = (clean_key | same_copy) & self.valid[:, None, :]
         n = self.block.shape[1]
-        mask |= torch.eye(n, dtype=torch.bool, device=mask.device)
+        same = torch.eye(n, dtype=torch.bool, device=self.block.device)
+        mask = visible(self.block[:, :, None], self.block[:, None, :], self.copy[:, :, None], self.copy[:, None, :],
+                       self.valid[:, None, :], same)
         return mask[:, None]
 
     def to(self, device: torch.device | str) -> AttentionLayout:
         return AttentionLayout(self.block.to(device), self.copy.to(device), self.valid.to(device))
+
+
+def visible(block_q: Tensor, block_k: Tensor, copy_q: Tensor, copy_k: Tensor, valid_k: Tensor,
+            same_token: Tensor) -> Tensor:
+    """The layout rule, elementwise over broadcast query / key attributes: the dense mask and the FlexAttention
+    block mask are both built from this one function."""
+    clean_key = (copy_k == 0) & ((block_k < block_q) | ((block_k == block_q) & (copy_q == 0)))
+    same_copy = (copy_k != 0) & (copy_k == copy_q) & (block_k == block_q)
+    return ((clean_key | same_copy) & valid_k) | same_token
 
 
 class KVCache:
@@ -100,11 +106,13 @@ class KVCache:
     def length(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
 
-    def extend_layer(self, idx: int, k: Tensor, v: Tensor, store: bool) -> tuple[Tensor, Tensor]:
-        """Keys/values of (cached columns + ``k``/``v``) for attention; with ``store`` the new columns stay cached.
+    def extend_layer(self, idx: int, k: Tensor, v: Tensor, store: bool | int) -> tuple[Tensor, Tensor]:
+        """Keys/values of (cached columns + ``k``/``v``) for attention; with ``store`` the new columns stay cached
+        (``store=n``: only the first n new columns, e.g. a finished block stored in the forward that also denoises
+        the next block).
 
-        Without ``store`` the new columns are written to scratch space after the used ones and are overwritten by
-        the next call, which is what makes "denoise a block many times, store it once" cheap.
+        Columns not stored are written to scratch space after the used ones and are overwritten by the next call,
+        which is what makes "denoise a block many times, store it once" cheap.
         """
         past_k, past_v = self.keys[idx], self.values[idx]
         used = 0 if past_k is None else past_k.shape[2]
@@ -114,8 +122,9 @@ class KVCache:
         kbuf[:, :, used:end] = k
         vbuf[:, :, used:end] = v
         k_all, v_all = kbuf[:, :, :end], vbuf[:, :, :end]
-        if store:
-            self.keys[idx], self.values[idx] = k_all, v_all
+        if store is not False:
+            kept = used + stored_columns(store, k.shape[2])
+            self.keys[idx], self.values[idx] = kbuf[:, :, :kept], vbuf[:, :, :kept]
         return k_all, v_all
 
     @staticmethod
@@ -242,6 +251,13 @@ class KVCache:
         return out.compact()
 
 
+def stored_columns(store: bool | int, new: int) -> int:
+    """How many of ``new`` columns a forward with ``store_kv=store`` keeps in the cache."""
+    if store is True:
+        return new
+    return 0 if store is False else min(int(store), new)
+
+
 def _pad_cols(t: Tensor, width: int) -> Tensor:
     return F.pad(t, (0, 0, 0, width - t.shape[2]))
 
@@ -261,7 +277,7 @@ def attend(
 ) -> Tensor:
     """Attention of new queries over (cached keys + new keys). q: [B, H, Q, D]; k, v: [B, Hkv, Q, D]."""
     past_k = cache.keys[layer_idx] if cache is not None else None
-    if cache is not None and (past_k is not None or store_kv):
+    if cache is not None and (past_k is not None or store_kv is not False):
         k_all, v_all = cache.extend_layer(layer_idx, k, v, store_kv)
     else:
         k_all, v_all = k, v
@@ -317,10 +333,7 @@ def _flex_block_mask(layout: AttentionLayout, n: int, device: torch.device):
     block, copy, valid = layout.block, layout.copy, layout.valid
 
     def mask_mod(b, h, qi, kj):  # the AttentionLayout rule, evaluated per (query, key) pair
-        bq, bk, cq, ck = block[b, qi], block[b, kj], copy[b, qi], copy[b, kj]
-        clean = (ck == 0) & ((bk < bq) | ((bk == bq) & (cq == 0)))
-        same = (ck != 0) & (ck == cq) & (bk == bq)
-        return ((clean | same) & valid[b, kj]) | (qi == kj)
+        return visible(block[b, qi], block[b, kj], copy[b, qi], copy[b, kj], valid[b, kj], qi == kj)
 
     return create_block_mask(mask_mod, block.shape[0], None, n, n, device=device)
 
@@ -397,4 +410,5 @@ __all__ = [
     "rope_cos_sin",
     "split_heads",
     "init_linear_normal",
+    "stored_columns",
 ]

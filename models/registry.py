@@ -11,7 +11,7 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -85,7 +85,7 @@ class Adapter:
         return self.model.backbone
 
     def hidden(self, input_ids: Tensor, position_ids: Tensor, layout: AttentionLayout,
-               cache: KVCache | None = None, store_kv: bool = False) -> Tensor:
+               cache: KVCache | None = None, store_kv: bool | int = False) -> Tensor:
         """Final normalised hidden states [B, N, H] for the given layout (and cache)."""
         return self.backbone(input_ids, position_ids=position_ids, layout=layout, past_key_values=cache,
                              store_kv=store_kv).last_hidden_state
@@ -105,12 +105,6 @@ class Adapter:
     def predicting_index(self, index: Tensor) -> Tensor:
         """Index of the hidden state whose logits predict the token at ``index`` (index - 1 when shifted)."""
         return index - 1 if self.shift_logits else index
-
-    def layout(self, position_ids: Tensor, valid: Tensor) -> AttentionLayout:
-        """The family's inference layout: block-causal at absolute positions, or full attention."""
-        if self.attention == "block":
-            return AttentionLayout.block_causal(position_ids, self.block_size, valid)
-        return AttentionLayout.full(valid)
 
     def encode_chat(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat prompt rendered with the tokenizer's chat template (a str is one user turn).
@@ -143,12 +137,6 @@ class Adapter:
 
 
 _MARK = "\ue000"  # a private-use character marking where message contents go in the rendered template
-
-
-class LoadedModel(NamedTuple):
-    model: Any
-    adapter: Adapter
-    tokenizer: Any
 
 
 def family_spec(model_base: str) -> FamilySpec:
@@ -192,8 +180,9 @@ def _mask_id(tokenizer: Any, model: Any) -> int:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(cfg: Any, device: str | torch.device = "cpu") -> LoadedModel:
-    """Load ``cfg.pretrained_model`` (a local folder) for ``cfg.model_base``; returns (model, adapter, tokenizer).
+def load_model(cfg: Any, device: str | torch.device = "cpu") -> Adapter:
+    """Load ``cfg.pretrained_model`` (a local folder) for ``cfg.model_base``; returns its adapter (which holds the
+    model and the tokenizer).
 
     ``cfg`` is the ``model`` section of a job config (attribute or key access): pretrained_model, model_base,
     optional tokenizer (folder), dtype, attn_backend, block_size.
@@ -220,7 +209,7 @@ def load_model(cfg: Any, device: str | torch.device = "cpu") -> LoadedModel:
     if len(tokenizer) > rows:
         raise ModelLoadError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
                              f"{rows} rows (a tokenizer of another model? set model.tokenizer)")
-    return LoadedModel(model, make_adapter(model, tokenizer, model_base), tokenizer)
+    return make_adapter(model, tokenizer, model_base)
 
 
 def _from_pretrained(model_class: type, path: Path, dtype: torch.dtype, overrides: dict) -> Any:

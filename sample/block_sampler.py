@@ -3,10 +3,15 @@
 Blocks sit at ABSOLUTE positions: block k covers positions [k*b, (k+1)*b). A prompt of P tokens is prefilled up
 to floor(P/b)*b; its last P mod b tokens open the first active block (never masked, never changed, never part of
 the response). Each step is ONE forward of the active block of every row ([R, b] tokens, per-row absolute
-positions) against a batched KV cache with per-row validity. A row whose block has no masks left rides along in
-the next step with its final tokens: that pass is its commit (its K/V are stored; as in the reference engine,
-commit and denoising rows share the forward, and a commit pass does not count as a denoising step). Then the
-stops are checked in the block's response tokens and finished rows leave while waiting prompts take their place.
+positions) against a batched KV cache with per-row validity. When a row's block has no masks left, its stops
+and budget are checked at once: a finished row leaves (its last block is never stored) and a waiting prompt takes
+its place; a row that goes on opens its next block, and the finished block is stored by the next forward. Fused:
+that forward runs [finished block, next block] in the row, storing the finished block's K/V and denoising the next
+block, which sees the finished block exactly as a separate commit pass would have stored it (the reference engine
+spends one extra forward per block on that commit: 5 forwards per block at 4 steps instead of 4). Fusing widens
+every row of that forward to 2 blocks, which only pays while the forward is overhead-bound or every row carries a
+block; otherwise the finished block rides alone in its row (stored; that row skips denoising for one step), as in
+the reference engine (``FUSE_MAX_TOKENS``).
 
 ``cache="none"`` is the slow reference path: every step recomputes each row's whole sequence with the
 block-causal layout (the baseline of the cache-equality test and of the benchmark).
@@ -28,6 +33,10 @@ from sample.strategies import block_schedule, draw_tokens, schedule_table, selec
 from sample.trajectory import Trajectory
 
 PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
+# Widest fused forward (rows x 2 blocks) worth padding rows that carry nothing: a GPU decode forward of a few
+# thousand tokens costs about what one of a few tokens does (weights dominate), a CPU one is compute-bound past a
+# few dozen (bench/sampler.py: at batch 32 on 2 cores, always fusing is 0.74x).
+FUSE_MAX_TOKENS = {"cuda": 8192, "cpu": 64}
 REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a repack
 
 
@@ -61,7 +70,7 @@ class _Row:
 class _CachedRunner:
     """Runs the model over active blocks against a batched commit-semantics KV cache."""
 
-    commit_pass = True  # a finished block needs one more forward to store its K/V
+    stores_blocks = True  # a finished block's K/V are stored by the next forward (it carries the block)
 
     def __init__(self, adapter, block_size: int, stats: SamplerStats):
         self.adapter, self.b, self.stats = adapter, block_size, stats
@@ -85,18 +94,31 @@ class _CachedRunner:
         self.stats.forwards += 1
         return cache
 
-    def step(self, tokens: Tensor, positions: Tensor, saving: Tensor | None) -> Tensor:
-        """Hidden states [R, b, H] of the active blocks. Rows in ``saving`` hold a finished block: its K/V are
-        stored (commit); for the other rows the appended columns are marked invalid (repacked later)."""
-        layout = AttentionLayout.block_causal(positions, self.b)
+    def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
+             fused: bool = True) -> Tensor:
+        """Hidden states [R, b, H] of the active blocks. With ``carry``, rows in ``carrying`` also hold their
+        finished previous block, whose K/V are stored: fused, it runs in front of the active block in the same
+        row (for the other rows those columns are padding: invalid keys, repacked later); not fused, it runs
+        instead of the active block (those rows' hidden states are then not used)."""
         self.stats.forwards += 1
-        hidden = self.adapter.hidden(tokens, positions, layout, self.cache, store_kv=saving is not None)
-        if saving is not None:
-            self.cache.valid[:, -self.b:] &= saving[:, None]
-        return hidden
+        if carry is None:
+            layout = AttentionLayout.block_causal(positions, self.b)
+            return self.adapter.hidden(tokens, positions, layout, self.cache)
+        if not fused:
+            ids = torch.where(carrying[:, None], carry, tokens)
+            pos = positions - self.b * carrying[:, None].long()
+            hidden = self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b), self.cache,
+                                         store_kv=True)
+            self.cache.valid[:, -self.b:] &= carrying[:, None]
+            return hidden
+        ids = torch.cat([carry, tokens], 1)
+        pos = torch.cat([(positions - self.b).clamp(min=0), positions], 1)
+        valid = torch.cat([carrying[:, None].expand(-1, self.b), torch.ones_like(tokens, dtype=torch.bool)], 1)
+        layout = AttentionLayout.block_causal(pos, self.b, valid)
+        return self.adapter.hidden(ids, pos, layout, self.cache, store_kv=self.b)[:, self.b:]
 
     def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
-        """After a commit step: drop the invalid columns once they exceed the slack (no host sync needed)."""
+        """After blocks finished: drop the invalid columns once they exceed the slack (no host sync needed)."""
         if self.cache.length > max_cached + REPACK_SLACK * self.b:
             self.cache = self.cache.repack(max_cached)
 
@@ -107,7 +129,7 @@ class _CachedRunner:
 class _RecomputeRunner:
     """Reference path: recompute each row's whole sequence every step with the block-causal layout."""
 
-    commit_pass = False
+    stores_blocks = False
 
     def __init__(self, adapter, block_size: int, stats: SamplerStats):
         self.adapter, self.b, self.stats = adapter, block_size, stats
@@ -116,7 +138,8 @@ class _RecomputeRunner:
     def admit(self, prefixes: list[Tensor]) -> None:
         self.prefixes.extend(prefixes)
 
-    def step(self, tokens: Tensor, positions: Tensor, saving: Tensor | None) -> Tensor:
+    def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
+             fused: bool = True) -> Tensor:
         lengths = [p.numel() for p in self.prefixes]
         width = max(lengths) + self.b
         device = tokens.device
@@ -169,10 +192,11 @@ class BlockSampler:
         self.stats = SamplerStats()
         runner_cls = _RecomputeRunner if params.cache == "none" else _CachedRunner
         self.runner = runner_cls(adapter, self.b, self.stats)
+        self.fuse_max_tokens = FUSE_MAX_TOKENS["cuda" if self.device.type == "cuda" else "cpu"]
         sched = block_schedule(self.b, params.denoising_steps)
         self.schedule = schedule_table([sched], fill=self.b)[0].to(self.device)
         self.rows: list[_Row] = []
-        self.n_saving = 0  # rows that commit their block in the next step (known from the last sync)
+        self.n_carrying = 0  # rows whose finished block rides in front of the next step (known from the last sync)
         self._init_batch()
 
     def _init_batch(self) -> None:
@@ -185,6 +209,8 @@ class BlockSampler:
         self.rec_step = torch.empty(0, b, dtype=torch.long, device=dev)
         self.rec_logp = torch.empty(0, b, dtype=torch.float32, device=dev)
         self.rec_conf = torch.empty(0, b, dtype=torch.float32, device=dev)
+        self.carry = torch.empty(0, b, dtype=torch.long, device=dev)  # finished blocks whose K/V are not stored yet
+        self.carrying = torch.empty(0, dtype=torch.bool, device=dev)
 
     def check_prompt(self, index: int, prompt: list[int]) -> int:
         """The response budget of a prompt; a clear error when it leaves no room below the position limit."""
@@ -202,8 +228,8 @@ class BlockSampler:
         results: list[Trajectory | None] = [None] * len(prompts)
         while pending or self.rows:
             self._admit(pending, prompts, budgets)
-            saving = self._step()
-            for traj in self._after_step(saving):
+            self._step()
+            for traj in self._after_step():
                 results[traj.meta.pop("index")] = traj
         return results  # type: ignore[return-value]
 
@@ -239,25 +265,29 @@ class BlockSampler:
         self.rec_step = torch.cat([self.rec_step, torch.zeros(n, self.b, dtype=torch.long, device=dev)])
         self.rec_logp = torch.cat([self.rec_logp, torch.zeros(n, self.b, device=dev)])
         self.rec_conf = torch.cat([self.rec_conf, torch.zeros(n, self.b, device=dev)])
+        self.carry = torch.cat([self.carry, torch.zeros(n, self.b, dtype=torch.long, device=dev)])
+        self.carrying = torch.cat([self.carrying, torch.zeros(n, dtype=torch.bool, device=dev)])
 
     # ------------------------------------------------------------ one denoising step
 
     def _positions(self) -> Tensor:
         return self.start[:, None] + torch.arange(self.b, device=self.device)
 
-    def _step(self) -> Tensor:
-        """One forward of every active block: rows with masks denoise (scheduled tokens committed, step /
-        logprob / confidence recorded), rows without masks commit their block. Returns the committing rows."""
-        saving = ~self.masked.any(1)
-        hidden = self.runner.step(self.tokens, self._positions(), saving if self.n_saving else None)
-        if self.n_saving == len(self.rows):  # a pure commit pass: no logits needed
-            return saving
+    def _step(self) -> None:
+        """One forward of every active block (every row has masks left): scheduled tokens committed, step /
+        logprob / confidence recorded; finished blocks carried from the last step are stored by this forward."""
+        carry = self.n_carrying > 0
+        rows = len(self.rows)
+        fused = self.n_carrying == rows or 2 * self.b * rows <= self.fuse_max_tokens
+        hidden = self.runner.step(self.tokens, self._positions(), self.carry if carry else None,
+                                  self.carrying if carry else None, fused)
         self.stats.denoise_forwards += 1
         draw = draw_tokens(self.adapter.logits(hidden), self.params, self.generator, self.adapter.mask_id,
                            self.adapter.pad_id)
         n_t = self.schedule[self.t_block.clamp(max=self.schedule.numel() - 1)]
-        transfer = select_transfer(draw, self.masked, n_t, self.params, self.generator)
-        denoising = (~saving).long()
+        masked = self.masked if fused or not carry else self.masked & ~self.carrying[:, None]
+        transfer = select_transfer(draw, masked, n_t, self.params, self.generator)
+        denoising = 1 if fused or not carry else (~self.carrying).long()
         self.counter += denoising
         self.t_block += denoising
         self.tokens = torch.where(transfer, draw.tokens, self.tokens)
@@ -265,36 +295,41 @@ class BlockSampler:
         self.rec_step = torch.where(transfer, self.counter[:, None], self.rec_step)
         self.rec_logp = torch.where(transfer, draw.logprob, self.rec_logp)
         self.rec_conf = torch.where(transfer, draw.confidence, self.rec_conf)
-        return saving
 
     # ------------------------------------------------------------ block completion
 
-    def _after_step(self, saving: Tensor) -> list[Trajectory]:
-        """The step's one host sync: rows that committed (cut, retire or advance) and rows that commit next."""
-        complete = ~self.masked.any(1)
-        if not self.runner.commit_pass:  # nothing to store: a complete block is final at once
-            saving = complete
-        flags = (saving.long() + 2 * (complete & ~saving).long()).tolist()
-        self.n_saving = flags.count(2)
-        saved = [i for i, f in enumerate(flags) if f == 1]
-        return self._finish_blocks(saved) if saved else []
+    def _after_step(self) -> list[Trajectory]:
+        """The step's one host sync: rows whose block is complete are cut, retired or moved to their next block."""
+        self.carrying.zero_()  # the blocks carried in this step are stored now
+        self.n_carrying = 0
+        complete = (~self.masked.any(1)).tolist()
+        done_rows = [i for i, flag in enumerate(complete) if flag]
+        return self._finish_blocks(done_rows) if done_rows else []
 
-    def _finish_blocks(self, saved: list[int]) -> list[Trajectory]:
-        """Cut the committed blocks at stops / budget, retire finished rows, open the next block of the others."""
-        idx = torch.tensor(saved, dtype=torch.long, device=self.device)
-        for i in saved:
-            self.rows[i].cached += self.b
-        self.runner.saved(saved, self.tokens[idx], max(r.cached for r in self.rows))
+    def _finish_blocks(self, complete: list[int]) -> list[Trajectory]:
+        """Cut the complete blocks at stops / budget, retire finished rows, open the next block of the others (their
+        finished block is carried into the next step to be stored)."""
+        idx = torch.tensor(complete, dtype=torch.long, device=self.device)
         packed = torch.cat([self.tokens[idx].double(), self.rec_step[idx].double(), self.rec_logp[idx].double(),
                             self.rec_conf[idx].double()], 1).tolist()
         b = self.b
         done, finished = [], []
-        for row_idx, row in zip(saved, packed):
+        for row_idx, row in zip(complete, packed):
             tokens, steps = [int(x) for x in row[:b]], [int(x) for x in row[b:2 * b]]
             traj = self._absorb_block(self.rows[row_idx], tokens, steps, row[2 * b:3 * b], row[3 * b:])
             if traj is not None:
                 done.append(traj)
                 finished.append(row_idx)
+        going_on = [i for i in complete if i not in set(finished)]
+        if going_on:
+            cont = torch.tensor(going_on, dtype=torch.long, device=self.device)
+            for i in going_on:
+                self.rows[i].cached += b
+            self.runner.saved(going_on, self.tokens[cont], max(r.cached for r in self.rows))
+            if self.runner.stores_blocks:
+                self.carry[cont] = self.tokens[cont]
+                self.carrying[cont] = True
+                self.n_carrying = len(going_on)
         self._advance(idx, finished)
         return done
 
@@ -348,7 +383,8 @@ class BlockSampler:
         keep_list = [i for i in range(len(self.rows)) if i not in gone]
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep_list]
-        for name in ("tokens", "masked", "start", "t_block", "counter", "rec_step", "rec_logp", "rec_conf"):
+        for name in ("tokens", "masked", "start", "t_block", "counter", "rec_step", "rec_logp", "rec_conf", "carry",
+                     "carrying"):
             setattr(self, name, getattr(self, name)[keep])
         if keep_list:
             self.runner.keep(keep)

@@ -58,7 +58,7 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path, demo_tokenizer, m
     with torch.no_grad():
         ref = build_tiny(model_base, demo_tokenizer, "test", seed=3).model(ids).logits
     torch.testing.assert_close(la, ref, rtol=0, atol=0)
-    assert a.adapter.mask_id == demo_tokenizer.mask_token_id
+    assert a.mask_id == demo_tokenizer.mask_token_id
     assert a.tokenizer.mask_token == "<|MASK|>"
 
 

@@ -60,6 +60,28 @@ def test_cache_and_no_cache_give_identical_tokens(sdar):
     assert slow.stats.forwards < cached.stats.forwards  # no prefill / commit passes without a cache
 
 
+@pytest.mark.parametrize("fuse_max_tokens", [0, 10_000])
+def test_finished_blocks_stored_fused_or_riding_alone_give_the_no_cache_tokens(sdar, monkeypatch, fuse_max_tokens):
+    """A finished block is stored by the next forward: fused in front of the next block (one forward per block
+    saved) or riding alone in its row (that row skips a step); both see exactly the no-cache context."""
+    from sample import block_sampler
+
+    monkeypatch.setattr(block_sampler, "FUSE_MAX_TOKENS", {"cpu": fuse_max_tokens, "cuda": fuse_max_tokens})
+    prompts = prompts_of()
+    params = _greedy(max_active=3, remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.5)
+    cached = generate(sdar, prompts, params, progress=False)
+    slow = generate(sdar, prompts, replace(params, cache="none"), progress=False)
+    assert [_key(t) for t in cached] == [_key(t) for t in slow]
+    for c, s in zip(cached, slow):
+        assert c.logprobs == pytest.approx(s.logprobs, abs=1e-4)
+    prompt = max(prompts, key=len)
+    assert len(prompt) >= B  # one prefill forward
+    one = generate(sdar, [prompt], params, progress=False)  # a single row always carries alone: fused
+    blocks = -(-(len(prompt) % B + 14) // B)  # blocks the response touches
+    assert one.stats.forwards == 1 + one.stats.denoise_forwards  # prefill + denoising only: no commit passes
+    assert one.stats.denoise_forwards <= 4 * blocks
+
+
 @pytest.mark.parametrize("strategy,steps", [("low_confidence_static", 4), ("low_confidence_static", 2),
                                             ("low_confidence_dynamic", 4), ("sequential", 3),
                                             ("entropy_bounded", 4)])

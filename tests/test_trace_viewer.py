@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from models.tokenizers import build_demo_tokenizer
-from sample.get_trace_viewer import build_trace_html, main, token_pieces
+from sample.get_trace_viewer import main
+from sample.trace_viewer import build_trace_html, token_pieces
 from sample.trajectory import Trajectory, write_jsonl
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
