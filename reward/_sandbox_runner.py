@@ -190,14 +190,9 @@ def kill_everything_else() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(-1, signal.SIGKILL)
         else:  # subreaper: orphans are re-parented to us, so walking /proc finds them all
-            stack, seen = _children(os.getpid()), set()
-            while stack:
-                pid = stack.pop()
-                if pid not in seen:
-                    seen.add(pid)
-                    stack += _children(pid)
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
+            for pid in descendants():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
         if not _reap_all(1.0):
             return
 
@@ -206,13 +201,19 @@ def job_processes() -> list[int]:
     """Every process of the job but this supervisor (the whole private pid namespace, else our descendants)."""
     if os.getpid() == 1:
         return [int(p) for p in os.listdir("/proc") if p.isdigit() and p != "1"]
-    stack, seen = _children(os.getpid()), set()
+    return descendants()
+
+
+def descendants() -> list[int]:
+    """Our descendants, parents before children (walked through /proc/<pid>/task/*/children)."""
+    stack, seen, order = _children(os.getpid()), set(), []
     while stack:
         pid = stack.pop()
         if pid not in seen:
             seen.add(pid)
+            order.append(pid)
             stack += _children(pid)
-    return sorted(seen)
+    return order
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -19,8 +19,6 @@ block-causal layout (the baseline of the cache-equality test and of the benchmar
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.common import AttentionLayout, KVCache
+from sample.engine import Finished, RolloutStats, Sequence
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer
-from sample.trajectory import Trajectory
 
 PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
 # Widest fused forward (rows x 2 blocks) worth padding rows that carry nothing: a GPU decode forward of a few
@@ -41,21 +39,10 @@ REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a r
 
 
 @dataclass
-class SamplerStats:
-    """Counters a sampler fills while it runs."""
-
-    forwards: int = 0  # model forward calls of any kind (prefill, denoise, commit, cache refresh)
-    denoise_forwards: int = 0  # forwards in which at least one row denoised (commit-only passes excluded)
-    generated_tokens: int = 0  # response tokens of finished rows
-
-
-@dataclass
 class _Row:
-    """Host-side record of one sequence in flight."""
+    """Host-side state of one running sequence (its device-side state is a row of the sampler's tensors)."""
 
-    index: int
-    prompt: list[int]
-    budget: int  # response tokens allowed (max_tokens, or fewer near the position limit)
+    seq: Sequence
     tail_len: int  # prompt tokens at the start of the active block (first block only)
     cached: int  # cache columns this row uses (prefix + committed blocks)
     response: list[int] = field(default_factory=list)
@@ -72,7 +59,7 @@ class _CachedRunner:
 
     stores_blocks = True  # a finished block's K/V are stored by the next forward (it carries the block)
 
-    def __init__(self, adapter, block_size: int, stats: SamplerStats):
+    def __init__(self, adapter, block_size: int, stats: RolloutStats):
         self.adapter, self.b, self.stats = adapter, block_size, stats
         self.cache: KVCache | None = None
 
@@ -131,7 +118,7 @@ class _RecomputeRunner:
 
     stores_blocks = False
 
-    def __init__(self, adapter, block_size: int, stats: SamplerStats):
+    def __init__(self, adapter, block_size: int, stats: RolloutStats):
         self.adapter, self.b, self.stats = adapter, block_size, stats
         self.prefixes: list[Tensor] = []
 
@@ -178,7 +165,7 @@ class BlockSampler:
     """Samples many prompts with a block-attention adapter; see the module docstring."""
 
     def __init__(self, adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,
-                 generator: torch.Generator, on_finish: Callable[[Trajectory], None] | None = None):
+                 generator: torch.Generator):
         self.adapter, self.params, self.generator = adapter, params, generator
         self.b = params.block_size or adapter.block_size
         if self.b is None:
@@ -187,15 +174,14 @@ class BlockSampler:
             raise ValueError("cache='dual' is for full-attention models; block models use 'prefix' or 'none'")
         self.stop_ids, self.eos_ids = stop_ids, set(adapter.eos_ids)
         self.limit = limit
-        self.on_finish = on_finish
         self.device = next(adapter.model.parameters()).device
-        self.stats = SamplerStats()
+        self.stats = RolloutStats()
         runner_cls = _RecomputeRunner if params.cache == "none" else _CachedRunner
         self.runner = runner_cls(adapter, self.b, self.stats)
         self.fuse_max_tokens = FUSE_MAX_TOKENS["cuda" if self.device.type == "cuda" else "cpu"]
         sched = block_schedule(self.b, params.denoising_steps)
         self.schedule = schedule_table([sched], fill=self.b)[0].to(self.device)
-        self.rows: list[_Row] = []
+        self.running: list[_Row] = []
         self.n_carrying = 0  # rows whose finished block rides in front of the next step (known from the last sync)
         self._init_batch()
 
@@ -222,34 +208,24 @@ class BlockSampler:
                              f"(max_position_embeddings), which leaves no room for a block of {self.b}")
         return min(self.params.max_tokens, room)
 
-    def run(self, prompts: list[list[int]]) -> list[Trajectory]:
-        budgets = [self.check_prompt(i, p) for i, p in enumerate(prompts)]
-        pending = deque(range(len(prompts)))
-        results: list[Trajectory | None] = [None] * len(prompts)
-        while pending or self.rows:
-            self._admit(pending, prompts, budgets)
-            self._step()
-            for traj in self._after_step():
-                results[traj.meta.pop("index")] = traj
-        return results  # type: ignore[return-value]
+    def step(self) -> list[Finished]:
+        """One forward of every running sequence; the sequences that finished in it."""
+        self._step()
+        return self._after_step()
 
     # ------------------------------------------------------------ admission
 
-    def _admit(self, pending: deque, prompts: list[list[int]], budgets: list[int]) -> None:
-        free = self.params.max_active - len(self.rows)
-        if free <= 0 or not pending:
-            return
-        new = [pending.popleft() for _ in range(min(free, len(pending)))]
+    def admit(self, sequences: list[Sequence]) -> None:
         prefixes, blocks, starts, tails = [], [], [], []
-        for i in new:
-            prompt = prompts[i]
+        for seq in sequences:
+            prompt = seq.prompt
             cut = (len(prompt) // self.b) * self.b
             tail = prompt[cut:]
             prefixes.append(torch.tensor(prompt[:cut], dtype=torch.long, device=self.device))
             blocks.append(tail + [self.adapter.mask_id] * (self.b - len(tail)))
             starts.append(cut)
             tails.append(len(tail))
-            self.rows.append(_Row(i, list(prompt), budgets[i], len(tail), cut))
+            self.running.append(_Row(seq, len(tail), cut))
         self.runner.admit(prefixes)
         self._append_rows(blocks, starts, tails)
 
@@ -277,7 +253,7 @@ class BlockSampler:
         """One forward of every active block (every row has masks left): scheduled tokens committed, step /
         logprob / confidence recorded; finished blocks carried from the last step are stored by this forward."""
         carry = self.n_carrying > 0
-        rows = len(self.rows)
+        rows = len(self.running)
         fused = self.n_carrying == rows or 2 * self.b * rows <= self.fuse_max_tokens
         hidden = self.runner.step(self.tokens, self._positions(), self.carry if carry else None,
                                   self.carrying if carry else None, fused)
@@ -298,7 +274,7 @@ class BlockSampler:
 
     # ------------------------------------------------------------ block completion
 
-    def _after_step(self) -> list[Trajectory]:
+    def _after_step(self) -> list[Finished]:
         """The step's one host sync: rows whose block is complete are cut, retired or moved to their next block."""
         self.carrying.zero_()  # the blocks carried in this step are stored now
         self.n_carrying = 0
@@ -306,7 +282,7 @@ class BlockSampler:
         done_rows = [i for i, flag in enumerate(complete) if flag]
         return self._finish_blocks(done_rows) if done_rows else []
 
-    def _finish_blocks(self, complete: list[int]) -> list[Trajectory]:
+    def _finish_blocks(self, complete: list[int]) -> list[Finished]:
         """Cut the complete blocks at stops / budget, retire finished rows, open the next block of the others (their
         finished block is carried into the next step to be stored)."""
         idx = torch.tensor(complete, dtype=torch.long, device=self.device)
@@ -316,16 +292,16 @@ class BlockSampler:
         done, finished = [], []
         for row_idx, row in zip(complete, packed):
             tokens, steps = [int(x) for x in row[:b]], [int(x) for x in row[b:2 * b]]
-            traj = self._absorb_block(self.rows[row_idx], tokens, steps, row[2 * b:3 * b], row[3 * b:])
-            if traj is not None:
-                done.append(traj)
+            finished_seq = self._absorb_block(self.running[row_idx], tokens, steps, row[2 * b:3 * b], row[3 * b:])
+            if finished_seq is not None:
+                done.append(finished_seq)
                 finished.append(row_idx)
         going_on = [i for i in complete if i not in set(finished)]
         if going_on:
             cont = torch.tensor(going_on, dtype=torch.long, device=self.device)
             for i in going_on:
-                self.rows[i].cached += b
-            self.runner.saved(going_on, self.tokens[cont], max(r.cached for r in self.rows))
+                self.running[i].cached += b
+            self.runner.saved(going_on, self.tokens[cont], max(r.cached for r in self.running))
             if self.runner.stores_blocks:
                 self.carry[cont] = self.tokens[cont]
                 self.carrying[cont] = True
@@ -334,14 +310,15 @@ class BlockSampler:
         return done
 
     def _absorb_block(self, row: _Row, tokens: list[int], steps: list[int], logps: list[float],
-                      confs: list[float]) -> Trajectory | None:
-        """Append the block's response tokens to ``row``; a Trajectory when the row is finished."""
+                      confs: list[float]) -> Finished | None:
+        """Append the block's response tokens to ``row``; its Finished record when the row is finished."""
         first = row.tail_len
         row.tail_len = 0
         reason = None
         end = self.b
+        budget = row.seq.budget
         for pos in range(first, self.b):
-            if len(row.response) >= row.budget:
+            if len(row.response) >= budget:
                 reason, end = "length", pos
                 break
             tok = tokens[pos]
@@ -352,23 +329,12 @@ class BlockSampler:
             if tok in self.stop_ids:
                 reason, end = ("eos" if tok in self.eos_ids else "stop"), pos + 1
                 break
-        if reason is None and len(row.response) >= row.budget:
+        if reason is None and len(row.response) >= budget:
             reason = "length"
         if reason is None:
             return None
-        return self._trajectory(row, reason, tokens[end:], steps[end:])
-
-    def _trajectory(self, row: _Row, reason: str, tail_ids: list[int], tail_steps: list[int]) -> Trajectory:
-        tok = self.adapter.tokenizer
-        text = tok.decode(row.response, skip_special_tokens=False) if tok is not None else ""
-        self.stats.generated_tokens += len(row.response)
-        traj = Trajectory(prompt_ids=row.prompt, response_ids=row.response, step_map=row.steps,
-                          logprobs=row.logprobs, finish_reason=reason, text=text, confidences=row.confidences,
-                          tail_ids=list(tail_ids), tail_steps=list(tail_steps), block_size=self.b,
-                          meta={"index": row.index})
-        if self.on_finish is not None:
-            self.on_finish(traj)
-        return traj
+        return Finished(row.seq, row.response, row.steps, row.logprobs, row.confidences, reason, self.b,
+                        tokens[end:], steps[end:])
 
     def _advance(self, complete: Tensor, finished: list[int]) -> None:
         """Open the next block of the rows that go on; drop the finished rows from the batch."""
@@ -380,9 +346,9 @@ class BlockSampler:
         if not finished:
             return
         gone = set(finished)
-        keep_list = [i for i in range(len(self.rows)) if i not in gone]
+        keep_list = [i for i in range(len(self.running)) if i not in gone]
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
-        self.rows = [self.rows[i] for i in keep_list]
+        self.running = [self.running[i] for i in keep_list]
         for name in ("tokens", "masked", "start", "t_block", "counter", "rec_step", "rec_logp", "rec_conf", "carry",
                      "carrying"):
             setattr(self, name, getattr(self, name)[keep])

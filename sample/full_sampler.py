@@ -32,8 +32,6 @@ context exactly (they were masked whenever a response token was decoded).
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +39,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.common import AttentionLayout, KVCache
-from sample.block_sampler import SamplerStats
+from sample.engine import Finished, RolloutStats, Sequence
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer, split_steps
-from sample.trajectory import Trajectory
 
 _STATE = ("canvas", "valid", "pos", "decoded", "rec_step", "rec_logp", "rec_conf", "blk", "t_block", "counter",
           "plen")
@@ -52,8 +49,9 @@ _STATE = ("canvas", "valid", "pos", "decoded", "rec_step", "rec_logp", "rec_conf
 
 @dataclass
 class _FullRow:
-    index: int
-    prompt: list[int]
+    """Host-side state of one running sequence (its canvas is a row of the sampler's tensors)."""
+
+    seq: Sequence
     blk: int = 0  # current block index
     t_block: int = 0  # steps done in the current block (0 = needs a cache refresh)
     masks_left: int = 0  # masks left in the current block
@@ -63,7 +61,7 @@ class FullSampler:
     """Samples many prompts with a full-attention adapter; see the module docstring."""
 
     def __init__(self, adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,
-                 generator: torch.Generator, on_finish: Callable[[Trajectory], None] | None = None):
+                 generator: torch.Generator):
         self.adapter, self.params, self.generator = adapter, params, generator
         self.bl = params.block_for("full", None)
         self.n_blocks = -(-params.max_tokens // self.bl)
@@ -74,10 +72,10 @@ class FullSampler:
         self.shift = 1 if adapter.shift_logits else 0
         self.stop_ids, self.eos_ids = stop_ids, set(adapter.eos_ids)
         self.stop_tensor = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.long, device=self.device)
-        self.limit, self.on_finish = limit, on_finish
-        self.stats = SamplerStats()
+        self.limit = limit
+        self.stats = RolloutStats()
         self.num_layers = len(adapter.new_cache().keys)
-        self.rows: list[_FullRow] = []
+        self.running: list[_FullRow] = []
         self.width = 0  # W: prompt columns (left-padded) before the generated region
         self.cache: KVCache | None = None
         self._init_state()
@@ -97,42 +95,32 @@ class FullSampler:
         self.width = 0
         self.cache = None
 
-    def check_prompt(self, index: int, prompt: list[int]) -> None:
-        """A clear error when prompt + canvas does not fit the model's positions."""
+    def check_prompt(self, index: int, prompt: list[int]) -> int:
+        """The response budget; a clear error when prompt + canvas does not fit the model's positions."""
         if self.limit is not None and len(prompt) + self.gen_len > self.limit:
             raise ValueError(f"prompt {index} has {len(prompt)} tokens; with max_tokens {self.params.max_tokens} "
                              f"rounded up to {self.gen_len} (block_size {self.bl}) it needs "
                              f"{len(prompt) + self.gen_len} positions, but the model accepts {self.limit} "
                              "(max_position_embeddings)")
+        return self.params.max_tokens
 
-    def run(self, prompts: list[list[int]]) -> list[Trajectory]:
-        for i, p in enumerate(prompts):
-            self.check_prompt(i, p)
-        pending = deque(range(len(prompts)))
-        results: list[Trajectory | None] = [None] * len(prompts)
-        while pending or self.rows:
-            self._admit(pending, prompts)
-            self._denoise_step()
-            for traj in self._after_step():
-                results[traj.meta.pop("index")] = traj
-        return results  # type: ignore[return-value]
+    def step(self) -> list[Finished]:
+        """One denoising forward of every running sequence; the sequences that finished in it."""
+        self._denoise_step()
+        return self._after_step()
 
     # ------------------------------------------------------------ admission and removal
 
-    def _admit(self, pending: deque, prompts: list[list[int]]) -> None:
-        free = self.params.max_active - len(self.rows)
-        if free <= 0 or not pending:
-            return
-        new = [pending.popleft() for _ in range(min(free, len(pending)))]
-        self._widen(max(len(prompts[i]) for i in new))
+    def admit(self, sequences: list[Sequence]) -> None:
+        self._widen(max(len(s.prompt) for s in sequences))
         dev, w, g = self.device, self.width, self.gen_len
-        rows = [[self.adapter.pad_id] * (w - len(prompts[i])) + list(prompts[i]) + [self.adapter.mask_id] * g
-                for i in new]
+        rows = [[self.adapter.pad_id] * (w - len(s.prompt)) + s.prompt + [self.adapter.mask_id] * g
+                for s in sequences]
         canvas = torch.tensor(rows, dtype=torch.long, device=dev)
-        plen = torch.tensor([len(prompts[i]) for i in new], dtype=torch.long, device=dev)
+        plen = torch.tensor([len(s.prompt) for s in sequences], dtype=torch.long, device=dev)
         valid = torch.arange(w + g, device=dev)[None, :] >= (w - plen)[:, None]
         pos = (valid.long().cumsum(1) - 1).clamp(min=0).masked_fill(~valid, 0)
-        n = len(new)
+        n = len(sequences)
         zeros_g = torch.zeros(n, g, dtype=torch.long, device=dev)
         zeros_n = torch.zeros(n, dtype=torch.long, device=dev)
         add = {"canvas": canvas, "valid": valid, "pos": pos, "decoded": zeros_g.bool(), "rec_step": zeros_g,
@@ -142,7 +130,7 @@ class FullSampler:
             setattr(self, name, torch.cat([getattr(self, name), add[name]]))
         if self.params.cache != "none":
             self.cache = KVCache.join(self.cache, KVCache.empty(n, self.num_layers, dev))
-        self.rows.extend(_FullRow(i, list(prompts[i]), masks_left=self.bl) for i in new)
+        self.running.extend(_FullRow(s, masks_left=self.bl) for s in sequences)
 
     def _widen(self, prompt_len: int) -> None:
         """Left-pad the canvas so that prompts of ``prompt_len`` tokens fit (cached K/V are column-free)."""
@@ -161,18 +149,18 @@ class FullSampler:
 
     def _drop(self, finished: list[int]) -> None:
         gone = set(finished)
-        keep_list = [i for i in range(len(self.rows)) if i not in gone]
+        keep_list = [i for i in range(len(self.running)) if i not in gone]
         if not keep_list:
-            self.rows = []
+            self.running = []
             self._init_state()
             return
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
-        self.rows = [self.rows[i] for i in keep_list]
+        self.running = [self.running[i] for i in keep_list]
         for name in _STATE:
             setattr(self, name, getattr(self, name)[keep])
         if self.cache is not None:
             self.cache = self.cache.select_rows(keep)
-        new_width = max(len(r.prompt) for r in self.rows)
+        new_width = max(len(r.seq.prompt) for r in self.running)
         if new_width < self.width:
             cut = self.width - new_width
             self.canvas, self.valid, self.pos = self.canvas[:, cut:], self.valid[:, cut:], self.pos[:, cut:]
@@ -182,7 +170,7 @@ class FullSampler:
 
     def _candidates(self) -> tuple[Tensor, Tensor]:
         """Masked positions of each row's current block, left to right: (gen-region index [R, K], valid)."""
-        k = max(r.masks_left for r in self.rows)
+        k = max(r.masks_left for r in self.running)
         cols = self.blk[:, None] * self.bl + torch.arange(self.bl, device=self.device)
         masked = ~self.decoded.gather(1, cols)
         order = torch.sort((~masked).to(torch.uint8), dim=1, stable=True).indices[:, :k]
@@ -223,16 +211,16 @@ class FullSampler:
         if self.params.cache == "none":
             hidden = self._forward(self.canvas, self.pos, self.valid)
             return _gather_rows(hidden, pred_cols)
-        refresh = [i for i, r in enumerate(self.rows) if r.t_block == 0]
-        if len(refresh) == len(self.rows):
+        refresh = [i for i, r in enumerate(self.running) if r.t_block == 0]
+        if len(refresh) == len(self.running):
             return self._refresh(None, pred_cols)
         if not refresh:
             return self._window(None, pred_cols)
         g1 = torch.tensor(refresh, dtype=torch.long, device=self.device)
-        g2 = torch.tensor([i for i in range(len(self.rows)) if self.rows[i].t_block], device=self.device)
+        g2 = torch.tensor([i for i in range(len(self.running)) if self.running[i].t_block], device=self.device)
         h2 = self._window(g2, pred_cols[g2])  # reads the old cache rows of g2 before g1's rows are replaced
         h1 = self._refresh(g1, pred_cols[g1])
-        out = h1.new_empty(len(self.rows), *h1.shape[1:])
+        out = h1.new_empty(len(self.running), *h1.shape[1:])
         out[g1], out[g2] = h1, h2
         return out
 
@@ -248,9 +236,9 @@ class FullSampler:
         block_end = self.width + (blk + 1) * self.bl
         horizon = self.params.further_horizon if self.params.cache == "prefix" else 0
         end = (block_end + horizon).clamp(max=self.canvas.shape[1])
-        host_rows = range(len(self.rows)) if rows is None else rows.tolist()
-        widths = [min(self.width + (self.rows[i].blk + 1) * self.bl + horizon, self.canvas.shape[1])
-                  - self._window_start(self.rows[i].blk) for i in host_rows]
+        host_rows = range(len(self.running)) if rows is None else rows.tolist()
+        widths = [min(self.width + (self.running[i].blk + 1) * self.bl + horizon, self.canvas.shape[1])
+                  - self._window_start(self.running[i].blk) for i in host_rows]
         return start, end, max(widths)
 
     def _window_start(self, blk: int) -> int:
@@ -265,8 +253,8 @@ class FullSampler:
         col = torch.arange(cache.length, device=self.device)[None, :]
         if self.params.cache == "prefix":
             cache.valid = cache.valid & (col < start[:, None])
-            host_rows = range(len(self.rows)) if rows is None else rows.tolist()
-            cache.truncate(max(self._window_start(self.rows[i].blk) for i in host_rows))
+            host_rows = range(len(self.running)) if rows is None else rows.tolist()
+            cache.truncate(max(self._window_start(self.running[i].blk) for i in host_rows))
         else:
             cache.valid = cache.valid & ((col < start[:, None]) | (col >= end[:, None]))
         if rows is None:
@@ -306,11 +294,11 @@ class FullSampler:
         stop_tok = gen.gather(1, first_stop.clamp(max=g - 1)[:, None]).squeeze(1)
         return torch.stack([masks_left, finished.long(), cut, stop_fin.long(), stop_tok], 1).tolist()
 
-    def _after_step(self) -> list[Trajectory]:
+    def _after_step(self) -> list[Finished]:
         status = self._status()
         finished, advanced = [], []
         for i, (masks_left, fin, *_) in enumerate(status):
-            row = self.rows[i]
+            row = self.running[i]
             row.t_block += 1
             row.masks_left = masks_left
             if fin:
@@ -327,7 +315,7 @@ class FullSampler:
             self._drop(finished)
         return done
 
-    def _trajectories(self, finished: list[int], status: list[list[int]]) -> list[Trajectory]:
+    def _trajectories(self, finished: list[int], status: list[list[int]]) -> list[Finished]:
         idx = torch.tensor(finished, dtype=torch.long, device=self.device)
         gen = self.canvas[idx, self.width:]
         tokens = torch.where(self.decoded[idx], gen, self.adapter.mask_id)
@@ -338,21 +326,9 @@ class FullSampler:
         for j, (i, (_, _, cut, stopped, stop_tok)) in enumerate(zip(finished, status)):
             toks, stps, logps, confs = (h[j] for h in host)
             reason = ("eos" if stop_tok in self.eos_ids else "stop") if stopped else "length"
-            out.append(self._trajectory(self.rows[i], reason, toks, stps, logps, confs, cut))
+            out.append(Finished(self.running[i].seq, toks[:cut], stps[:cut], logps[:cut], confs[:cut], reason,
+                                self.bl, toks[cut:], stps[cut:]))
         return out
-
-    def _trajectory(self, row: _FullRow, reason: str, toks: list[int], stps: list[int], logps: list[float],
-                    confs: list[float], cut: int) -> Trajectory:
-        tok = self.adapter.tokenizer
-        response = toks[:cut]
-        text = tok.decode(response, skip_special_tokens=False) if tok is not None else ""
-        self.stats.generated_tokens += cut
-        traj = Trajectory(prompt_ids=row.prompt, response_ids=response, step_map=stps[:cut], logprobs=logps[:cut],
-                          finish_reason=reason, text=text, confidences=confs[:cut], tail_ids=toks[cut:],
-                          tail_steps=stps[cut:], block_size=self.bl, meta={"index": row.index})
-        if self.on_finish is not None:
-            self.on_finish(traj)
-        return traj
 
 
 def _gather_rows(hidden: Tensor, cols: Tensor) -> Tensor:

@@ -4,40 +4,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from sample.block_sampler import BlockSampler, SamplerStats
+from sample.block_sampler import BlockSampler
+from sample.engine import RolloutStats, run_engine
 from sample.full_sampler import FullSampler
 from sample.params import SamplingParams
 from sample.trajectory import Trajectory
 
+__all__ = ["Rollout", "RolloutStats", "encode_prompt", "generate"]
+
 Prompt = Sequence[int] | str | Sequence[dict]
-
-
-@dataclass
-class RolloutStats:
-    """Throughput of one ``generate`` call."""
-
-    forwards: int  # model forward calls (prefill, denoise, commit, cache refresh)
-    denoise_forwards: int
-    generated_tokens: int  # response tokens (tails excluded)
-    wall_time: float  # seconds
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.generated_tokens / self.forwards if self.forwards else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second,
-                "tokens_per_forward": self.tokens_per_forward}
 
 
 class Rollout(list[Trajectory]):
@@ -76,16 +56,16 @@ def generate(adapter: Any, prompts: Sequence[Prompt] | str, params: SamplingPara
         bar.update(1)
         bar.set_postfix(tok_s=f"{sampler.stats.generated_tokens / (time.perf_counter() - start):.1f}")
 
-    sampler.on_finish = on_finish
     was_training = adapter.model.training
     adapter.model.eval()
     try:
         with torch.inference_mode():
-            trajectories = sampler.run(ids)
+            trajectories = run_engine(sampler, ids, params.max_active, adapter.tokenizer, on_finish)
     finally:
         adapter.model.train(was_training)
         bar.close()
-    return Rollout(trajectories, _rollout_stats(sampler.stats, time.perf_counter() - start))
+    sampler.stats.wall_time = time.perf_counter() - start
+    return Rollout(trajectories, sampler.stats)
 
 
 def _make_sampler(adapter: Any, params: SamplingParams, stop_ids: set[int], limit: int | None,
@@ -105,8 +85,3 @@ def _generator(adapter: Any, seed: int | None) -> torch.Generator:
     else:
         gen.manual_seed(seed)
     return gen
-
-
-def _rollout_stats(stats: SamplerStats, wall_time: float) -> RolloutStats:
-    return RolloutStats(forwards=stats.forwards, denoise_forwards=stats.denoise_forwards,
-                        generated_tokens=stats.generated_tokens, wall_time=wall_time)

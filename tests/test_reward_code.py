@@ -249,18 +249,22 @@ def test_other_processes_environments_are_not_readable(monkeypatch):
 def test_network_is_unreachable():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
-    server.listen(5)
-    server.settimeout(0.3)
     port = server.getsockname()[1]
     try:
-        code = (f"import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
-                "    return x + 1\n")
-        bad = run_then_good(fn_job(code))
-        assert bad.pass_fraction == 0.0 and bad.reason == "runtime_error"
-        with pytest.raises(TimeoutError):
-            server.accept()
+        assert_never_connects(server, f"import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', {port}), "
+                                      "timeout=1).close()\n    return x + 1\n")
     finally:
         server.close()
+
+
+def assert_never_connects(server: socket.socket, code: str) -> None:
+    """The program's connection attempt fails (a runtime error, no pass) and never reaches ``server``."""
+    server.listen(5)
+    server.settimeout(0.3)
+    bad = run_then_good(fn_job(code))
+    assert bad.pass_fraction == 0.0 and bad.reason == "runtime_error"
+    with pytest.raises(TimeoutError):
+        server.accept()
 
 
 @pytest.mark.parametrize(
@@ -425,14 +429,8 @@ def test_unix_sockets_created_outside_are_unreachable(tmp_path_factory):
         server.bind(path)
         os.chmod(sock_dir, 0o777)
         os.chmod(path, 0o777)
-        server.listen(5)
-        server.settimeout(0.3)
-        code = (f"import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect({path!r})\n"
-                "    return x + 1\n")
-        bad = run_then_good(fn_job(code))
-        assert bad.pass_fraction == 0.0 and bad.reason == "runtime_error"
-        with pytest.raises(TimeoutError):
-            server.accept()
+        assert_never_connects(server, f"import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n"
+                                      f"    s.connect({path!r})\n    return x + 1\n")
     finally:
         server.close()
         Path(path).unlink(missing_ok=True)
