@@ -13,7 +13,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from models.common import AttentionLayout, KVCache, rope_cos_sin, stored_columns
+from models.common import AttentionLayout, KVCache, stored_columns
+from models.layers import rope_cos_sin
 
 
 def positions_from_mask(valid: Tensor, offset: int = 0) -> Tensor:

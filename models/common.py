@@ -1,4 +1,4 @@
-"""Pieces shared by every architecture: attention layouts, the KV cache, attention backends, RoPE, RMSNorm.
+"""Attention shared by every architecture: the layout rule, the KV cache storage, the attention backends.
 
 A model family differs only in parameter names and small details (q/k norm, biases); the attention math lives
 here once so that the sampler and the trainer see exactly the same computation for every family.
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_func  # type: ignore
@@ -147,119 +147,11 @@ class KVCache:
         valid = valid.bool()
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
 
-    def select_rows(self, rows: Tensor) -> KVCache:
-        """A cache holding only the given rows (finished sequences leave the batch)."""
-        out = KVCache(len(self.keys))
-        out.keys = [None if k is None else k.index_select(0, rows) for k in self.keys]
-        out.values = [None if v is None else v.index_select(0, rows) for v in self.values]
-        out.valid = None if self.valid is None else self.valid.index_select(0, rows)
-        return out.compact()
-
-    def compact(self) -> KVCache:
-        """Drop leading columns that no row uses (left behind by rows that left the batch)."""
-        if self.valid is None or self.valid.shape[1] == 0:
-            return self
-        used = self.valid.any(0)
-        if used.all():
-            return self
-        keep = used.nonzero().squeeze(1)
-        self.keys = [None if k is None else k.index_select(2, keep) for k in self.keys]
-        self.values = [None if v is None else v.index_select(2, keep) for v in self.values]
-        self.valid = self.valid.index_select(1, keep)
-        return self
-
-    def truncate(self, n: int) -> None:
-        """Keep the first ``n`` columns (a prefix cache)."""
-        self.keys = [None if k is None else k[:, :, :n] for k in self.keys]
-        self.values = [None if v is None else v[:, :, :n] for v in self.values]
-        if self.valid is not None:
-            self.valid = self.valid[:, :n]
-
-    @classmethod
-    def empty(cls, n_rows: int, num_layers: int, device: torch.device | str) -> KVCache:
-        """A cache for ``n_rows`` rows that have nothing cached yet (no key tensors, zero columns)."""
-        out = cls(num_layers)
-        out.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=device)
-        return out
-
-    def _with_tensors(self, template: KVCache) -> KVCache:
-        """This cache with zero-width key/value tensors shaped like ``template``'s if it has none yet."""
-        if self.keys[0] is not None or template.keys[0] is None:
-            return self
-        n = self.valid.shape[0]
-        out = KVCache(len(self.keys))
-        out.keys = [k.new_zeros(n, k.shape[1], self.length, k.shape[3]) for k in template.keys]
-        out.values = [v.new_zeros(n, v.shape[1], self.length, v.shape[3]) for v in template.values]
-        out.valid = self.valid
-        return out
-
-    @staticmethod
-    def concat_rows(caches: list[KVCache]) -> KVCache:
-        """Stack caches of different lengths row-wise; shorter ones get invalid columns at the end.
-
-        Caches without key tensors yet (rows with nothing cached) are allowed."""
-        caches = [c for c in caches if c.valid is not None and c.valid.shape[0] > 0]
-        template = next((c for c in caches if c.keys[0] is not None), None)
-        width = max(c.length for c in caches)
-        out = KVCache(len(caches[0].keys))
-        out.valid = torch.cat([F.pad(c.valid, (0, width - c.length), value=False) for c in caches], 0)
-        if template is None:
-            return out
-        caches = [c._with_tensors(template) for c in caches]
-        for idx in range(len(out.keys)):
-            out.keys[idx] = torch.cat([_pad_cols(c.keys[idx], width) for c in caches], 0)
-            out.values[idx] = torch.cat([_pad_cols(c.values[idx], width) for c in caches], 0)
-        return out
-
-    @staticmethod
-    def join(first: KVCache | None, second: KVCache) -> KVCache:
-        """Rows of ``first`` (may be None or empty) followed by rows of ``second``."""
-        if first is None or first.valid is None or first.valid.shape[0] == 0:
-            return second
-        return KVCache.concat_rows([first, second])
-
-    def repack(self, width: int | None = None) -> KVCache:
-        """Every row's valid columns moved to the left, ``width`` columns kept (default: the most any row has).
-
-        Column order is kept (RoPE is already applied, so only relative order within a row matters)."""
-        if self.valid is None or self.keys[0] is None:
-            return self
-        counts = self.valid.sum(1)
-        width = int(counts.max()) if width is None else width
-        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
-        out = KVCache(len(self.keys))
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
-            idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], width, k.shape[3])
-            out.keys[layer], out.values[layer] = k.gather(2, idx), v.gather(2, idx)
-        out.valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
-        return out
-
-    def replace_rows(self, rows: Tensor, sub: KVCache) -> KVCache:
-        """This cache with ``rows`` replaced by the rows of ``sub`` (widths padded with invalid columns)."""
-        main = self._with_tensors(sub)
-        width = max(main.length, sub.length)
-        out = KVCache(len(main.keys))
-        for layer in range(len(main.keys)):
-            for store, big, small in ((out.keys, main.keys[layer], sub.keys[layer]),
-                                      (out.values, main.values[layer], sub.values[layer])):
-                big = F.pad(big, (0, 0, 0, width - big.shape[2]))
-                big[rows] = F.pad(small, (0, 0, 0, width - small.shape[2]))
-                store[layer] = big
-        valid = F.pad(main.valid, (0, width - main.length), value=False)
-        valid[rows] = F.pad(sub.valid, (0, width - sub.length), value=False)
-        out.valid = valid
-        return out.compact()
-
-
 def stored_columns(store: bool | int, new: int) -> int:
     """How many of ``new`` columns a forward with ``store_kv=store`` keeps in the cache."""
     if store is True:
         return new
     return 0 if store is False else min(int(store), new)
-
-
-def _pad_cols(t: Tensor, width: int) -> Tensor:
-    return F.pad(t, (0, 0, 0, width - t.shape[2]))
 
 
 # ---------------------------------------------------------------- attention
@@ -338,77 +230,10 @@ def _flex_block_mask(layout: AttentionLayout, n: int, device: torch.device):
     return create_block_mask(mask_mod, block.shape[0], None, n, n, device=device)
 
 
-# ---------------------------------------------------------------- RoPE and norms
-
-
-def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin [B, 1, N, D] for rotate-half RoPE, computed in fp32 from explicit positions.
-
-    Frequencies are computed on the fly (no buffer), so nothing can be left uninitialised by ``from_pretrained``.
-    """
-    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    freqs = position_ids.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + rotate_half(x) * sin
-
-
-class RMSNorm(nn.Module):
-    """w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def split_heads(x: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    b, n, _ = x.shape
-    return x.view(b, n, n_heads, head_dim).transpose(1, 2)
-
-
-def merge_heads(x: Tensor) -> Tensor:
-    b, h, n, d = x.shape
-    return x.transpose(1, 2).reshape(b, n, h * d)
-
-
-def init_linear_normal(module: nn.Module, std: float) -> None:
-    """Plain normal init for freshly built (random) models; loading a checkpoint overwrites it."""
-    if isinstance(module, nn.Linear):
-        nn.init.normal_(module.weight, mean=0.0, std=std)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.Embedding):
-        nn.init.normal_(module.weight, mean=0.0, std=std)
-    elif isinstance(module, RMSNorm):
-        nn.init.ones_(module.weight)
-
-
 __all__ = [
     "AttentionLayout",
     "KVCache",
-    "RMSNorm",
-    "apply_rope",
     "attend",
     "layout_mask",
-    "merge_heads",
-    "rope_cos_sin",
-    "split_heads",
-    "init_linear_normal",
     "stored_columns",
 ]

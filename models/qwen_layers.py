@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.common import AttentionLayout, KVCache, RMSNorm, apply_rope, attend, merge_heads, split_heads
+from models.common import AttentionLayout, KVCache, attend
+from models.layers import RMSNorm, apply_rope, merge_heads, split_heads
 
 
 class QwenAttention(nn.Module):

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.common import AttentionLayout, KVCache
+from models.common import AttentionLayout
 from sample.engine import Finished, RolloutStats, Sequence
+from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer
 
@@ -61,22 +62,23 @@ class _CachedRunner:
 
     def __init__(self, adapter, block_size: int, stats: RolloutStats):
         self.adapter, self.b, self.stats = adapter, block_size, stats
-        self.cache: KVCache | None = None
+        self.num_layers = len(adapter.new_cache().keys)
+        self.cache: BatchKVCache | None = None
 
     def admit(self, prefixes: list[Tensor]) -> None:
         """Prefill the complete prompt blocks of new rows and append the rows to the batch cache."""
         for chunk in _chunks(prefixes, PREFILL_TOKENS):
-            self.cache = KVCache.join(self.cache, self._prefill(chunk))
+            self.cache = BatchKVCache.join(self.cache, self._prefill(chunk))
 
-    def _prefill(self, prefixes: list[Tensor]) -> KVCache:
+    def _prefill(self, prefixes: list[Tensor]) -> BatchKVCache:
         device = prefixes[0].device
         width = max(p.numel() for p in prefixes)
         if width == 0:
-            return KVCache.empty(len(prefixes), len(self.adapter.new_cache().keys), device)
+            return BatchKVCache.empty(len(prefixes), self.num_layers, device)
         ids = torch.stack([F.pad(p, (0, width - p.numel()), value=self.adapter.pad_id) for p in prefixes])
         valid = torch.stack([torch.arange(width, device=device) < p.numel() for p in prefixes])
         pos = torch.arange(width, device=device).expand_as(ids)
-        cache = self.adapter.new_cache()
+        cache = BatchKVCache(self.num_layers)
         self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b, valid), cache, store_kv=True)
         self.stats.forwards += 1
         return cache

@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.common import AttentionLayout, KVCache
+from models.common import AttentionLayout
 from sample.engine import Finished, RolloutStats, Sequence
+from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer, split_steps
 
@@ -77,7 +78,7 @@ class FullSampler:
         self.num_layers = len(adapter.new_cache().keys)
         self.running: list[_FullRow] = []
         self.width = 0  # W: prompt columns (left-padded) before the generated region
-        self.cache: KVCache | None = None
+        self.cache: BatchKVCache | None = None
         self._init_state()
 
     def _init_state(self) -> None:
@@ -129,7 +130,7 @@ class FullSampler:
         for name in _STATE:
             setattr(self, name, torch.cat([getattr(self, name), add[name]]))
         if self.params.cache != "none":
-            self.cache = KVCache.join(self.cache, KVCache.empty(n, self.num_layers, dev))
+            self.cache = BatchKVCache.join(self.cache, BatchKVCache.empty(n, self.num_layers, dev))
         self.running.extend(_FullRow(s, masks_left=self.bl) for s in sequences)
 
     def _widen(self, prompt_len: int) -> None:
@@ -224,7 +225,7 @@ class FullSampler:
         out[g1], out[g2] = h1, h2
         return out
 
-    def _forward(self, ids: Tensor, pos: Tensor, valid: Tensor, cache: KVCache | None = None,
+    def _forward(self, ids: Tensor, pos: Tensor, valid: Tensor, cache: BatchKVCache | None = None,
                  store_kv: bool = False) -> Tensor:
         self.stats.forwards += 1
         return self.adapter.hidden(ids, pos, AttentionLayout.full(valid), cache, store_kv=store_kv)
@@ -247,7 +248,7 @@ class FullSampler:
     def _refresh(self, rows: Tensor | None, pred_cols: Tensor) -> Tensor:
         """Full forward of the rows' canvas (their block's first step); keep K/V outside the window."""
         sel = (lambda t: t) if rows is None else (lambda t: t[rows])
-        cache = self.adapter.new_cache()
+        cache = BatchKVCache(self.num_layers)
         hidden = self._forward(sel(self.canvas), sel(self.pos), sel(self.valid), cache, store_kv=True)
         start, end, _ = self._window_bounds(rows)
         col = torch.arange(cache.length, device=self.device)[None, :]

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from models.common import AttentionLayout, KVCache
+from models.common import AttentionLayout
 from models.tiny import build_tiny
+from sample.kv_batch import BatchKVCache
 from sample.strategies import block_schedule, split_steps
 from sample.trajectory import Trajectory
 
@@ -169,34 +170,34 @@ def replay_full(adapter, traj: Trajectory, block_length: int, total_steps: int |
 # ---------------------------------------------------------------- KV-cache row operations
 
 
-def _cache(rows: int, cols: int, valid: torch.Tensor | None = None, layers: int = 2, seed: int = 0) -> KVCache:
+def _cache(rows: int, cols: int, valid: torch.Tensor | None = None, layers: int = 2, seed: int = 0) -> BatchKVCache:
     g = torch.Generator().manual_seed(seed)
-    c = KVCache(layers)
+    c = BatchKVCache(layers)
     c.keys = [torch.randn(rows, 2, cols, 3, generator=g) for _ in range(layers)]
     c.values = [torch.randn(rows, 2, cols, 3, generator=g) for _ in range(layers)]
     c.valid = torch.ones(rows, cols, dtype=torch.bool) if valid is None else valid
     return c
 
 
-def _visible(c: KVCache, row: int) -> list[torch.Tensor]:
+def _visible(c: BatchKVCache, row: int) -> list[torch.Tensor]:
     """The (key, value) columns a row can see, in order: what attention depends on."""
     keep = c.valid[row]
     return [t[row][:, keep] for t in c.keys + c.values]
 
 
-def _same_visible(a: KVCache, ra: int, b: KVCache, rb: int) -> bool:
+def _same_visible(a: BatchKVCache, ra: int, b: BatchKVCache, rb: int) -> bool:
     return all(torch.equal(x, y) for x, y in zip(_visible(a, ra), _visible(b, rb)))
 
 
 def test_kvcache_join_handles_rows_without_columns():
     a = _cache(2, 3)
-    empty = KVCache.empty(1, 2, torch.device("cpu"))
-    joined = KVCache.join(a, empty)
+    empty = BatchKVCache.empty(1, 2, torch.device("cpu"))
+    joined = BatchKVCache.join(a, empty)
     assert joined.valid.shape == (3, 3) and not joined.valid[2].any()
     assert _same_visible(joined, 1, a, 1)
-    both_empty = KVCache.join(KVCache.empty(2, 2, torch.device("cpu")), empty)
+    both_empty = BatchKVCache.join(BatchKVCache.empty(2, 2, torch.device("cpu")), empty)
     assert both_empty.valid.shape == (3, 0) and both_empty.keys[0] is None
-    assert KVCache.join(None, a) is a
+    assert BatchKVCache.join(None, a) is a
 
 
 def test_repack_keeps_each_rows_visible_columns():

@@ -12,8 +12,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from models.base import BackboneMixin, LMHeadMixin
-from models.common import init_linear_normal
 from models.dream.configuration_dream import DreamConfig
+from models.layers import init_linear_normal
 from models.qwen_layers import QwenBackboneMixin, QwenLMHeadMixin
 
 

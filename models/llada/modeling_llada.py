@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from models.base import BackboneMixin, LMHeadMixin, full_weights
-from models.common import RMSNorm, apply_rope, attend, init_linear_normal, merge_heads, split_heads
+from models.common import attend
+from models.layers import RMSNorm, apply_rope, init_linear_normal, merge_heads, split_heads
 from models.llada.configuration_llada import LLaDAConfig, MMadaConfig
 
 

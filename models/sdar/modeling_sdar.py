@@ -8,7 +8,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from models.base import BackboneMixin, LMHeadMixin
-from models.common import init_linear_normal
+from models.layers import init_linear_normal
 from models.qwen_layers import QwenBackboneMixin, QwenLMHeadMixin
 from models.sdar.configuration_sdar import SDARConfig
 

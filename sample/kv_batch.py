@@ -1,0 +1,125 @@
+"""Batch management of the KV cache for the samplers: sequences joining and leaving the batch, rows of
+different history lengths, repacking, swapping rows.
+
+``models.common.KVCache`` is the storage a forward reads and appends to (keys, values, per-row validity); these
+operations exist only because a sampler keeps many sequences of different lengths in one batched cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.common import KVCache
+
+
+class BatchKVCache(KVCache):
+    """A KV cache whose rows are sequences of a sampler's batch."""
+
+    def select_rows(self, rows: Tensor) -> BatchKVCache:
+        """A cache holding only the given rows (finished sequences leave the batch)."""
+        out = BatchKVCache(len(self.keys))
+        out.keys = [None if k is None else k.index_select(0, rows) for k in self.keys]
+        out.values = [None if v is None else v.index_select(0, rows) for v in self.values]
+        out.valid = None if self.valid is None else self.valid.index_select(0, rows)
+        return out.compact()
+
+    def compact(self) -> BatchKVCache:
+        """Drop leading columns that no row uses (left behind by rows that left the batch)."""
+        if self.valid is None or self.valid.shape[1] == 0:
+            return self
+        used = self.valid.any(0)
+        if used.all():
+            return self
+        keep = used.nonzero().squeeze(1)
+        self.keys = [None if k is None else k.index_select(2, keep) for k in self.keys]
+        self.values = [None if v is None else v.index_select(2, keep) for v in self.values]
+        self.valid = self.valid.index_select(1, keep)
+        return self
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` columns (a prefix cache)."""
+        self.keys = [None if k is None else k[:, :, :n] for k in self.keys]
+        self.values = [None if v is None else v[:, :, :n] for v in self.values]
+        if self.valid is not None:
+            self.valid = self.valid[:, :n]
+
+    @classmethod
+    def empty(cls, n_rows: int, num_layers: int, device: torch.device | str) -> BatchKVCache:
+        """A cache for ``n_rows`` rows that have nothing cached yet (no key tensors, zero columns)."""
+        out = cls(num_layers)
+        out.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=device)
+        return out
+
+    def _with_tensors(self, template: BatchKVCache) -> BatchKVCache:
+        """This cache with zero-width key/value tensors shaped like ``template``'s if it has none yet."""
+        if self.keys[0] is not None or template.keys[0] is None:
+            return self
+        n = self.valid.shape[0]
+        out = BatchKVCache(len(self.keys))
+        out.keys = [k.new_zeros(n, k.shape[1], self.length, k.shape[3]) for k in template.keys]
+        out.values = [v.new_zeros(n, v.shape[1], self.length, v.shape[3]) for v in template.values]
+        out.valid = self.valid
+        return out
+
+    @staticmethod
+    def concat_rows(caches: list[BatchKVCache]) -> BatchKVCache:
+        """Stack caches of different lengths row-wise; shorter ones get invalid columns at the end.
+
+        Caches without key tensors yet (rows with nothing cached) are allowed."""
+        caches = [c for c in caches if c.valid is not None and c.valid.shape[0] > 0]
+        template = next((c for c in caches if c.keys[0] is not None), None)
+        width = max(c.length for c in caches)
+        out = BatchKVCache(len(caches[0].keys))
+        out.valid = torch.cat([F.pad(c.valid, (0, width - c.length), value=False) for c in caches], 0)
+        if template is None:
+            return out
+        caches = [c._with_tensors(template) for c in caches]
+        for idx in range(len(out.keys)):
+            out.keys[idx] = torch.cat([_pad_cols(c.keys[idx], width) for c in caches], 0)
+            out.values[idx] = torch.cat([_pad_cols(c.values[idx], width) for c in caches], 0)
+        return out
+
+    @staticmethod
+    def join(first: BatchKVCache | None, second: BatchKVCache) -> BatchKVCache:
+        """Rows of ``first`` (may be None or empty) followed by rows of ``second``."""
+        if first is None or first.valid is None or first.valid.shape[0] == 0:
+            return second
+        return BatchKVCache.concat_rows([first, second])
+
+    def repack(self, width: int | None = None) -> BatchKVCache:
+        """Every row's valid columns moved to the left, ``width`` columns kept (default: the most any row has).
+
+        Column order is kept (RoPE is already applied, so only relative order within a row matters)."""
+        if self.valid is None or self.keys[0] is None:
+            return self
+        counts = self.valid.sum(1)
+        width = int(counts.max()) if width is None else width
+        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        out = BatchKVCache(len(self.keys))
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], width, k.shape[3])
+            out.keys[layer], out.values[layer] = k.gather(2, idx), v.gather(2, idx)
+        out.valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+        return out
+
+    def replace_rows(self, rows: Tensor, sub: BatchKVCache) -> BatchKVCache:
+        """This cache with ``rows`` replaced by the rows of ``sub`` (widths padded with invalid columns)."""
+        main = self._with_tensors(sub)
+        width = max(main.length, sub.length)
+        out = BatchKVCache(len(main.keys))
+        for layer in range(len(main.keys)):
+            for store, big, small in ((out.keys, main.keys[layer], sub.keys[layer]),
+                                      (out.values, main.values[layer], sub.values[layer])):
+                big = F.pad(big, (0, 0, 0, width - big.shape[2]))
+                big[rows] = F.pad(small, (0, 0, 0, width - small.shape[2]))
+                store[layer] = big
+        valid = F.pad(main.valid, (0, width - main.length), value=False)
+        valid[rows] = F.pad(sub.valid, (0, width - sub.length), value=False)
+        out.valid = valid
+        return out.compact()
+
+
+def _pad_cols(t: Tensor, width: int) -> Tensor:
+    return F.pad(t, (0, 0, 0, width - t.shape[2]))
