@@ -92,11 +92,11 @@ def run_one(args: argparse.Namespace) -> dict:
     from train.logprobs import full_logits_logprobs, gathered_logprobs
     from train.loss import policy_loss
     from train.settings import LossConfig, ViewConfig
-    from train.views import ViewIds, build_view
+    from train.views import ModelTraits, build_view
 
     torch.set_num_threads(args.threads)
     model = build_model(args)
-    ids = ViewIds(mask_id=args.vocab - 1, pad_id=0, attention="block", block_size=args.block)
+    ids = ModelTraits(mask_id=args.vocab - 1, pad_id=0, attention="block", block_size=args.block)
     n = args.samples + 1
     trajs = trajectories(args, n)
     batches = [build_view([t], {t.sample_id: 1.0}, ViewConfig(layout=args.layout), ids) for t in trajs]

@@ -34,7 +34,7 @@ from train.settings import (
     SFTTrainingConfig,
 )
 
-__all__ = ["ConfigError", "load_config", "load_config_or_exit", "dump_config", "infer_kind", "SCHEMAS",
+__all__ = ["ConfigError", "load_config", "load_config_or_exit", "dump_config", "job_kind", "SCHEMAS",
            "RLConfig", "EvalConfig", "SFTConfig", "DEMO_MODEL_DIRS"]
 
 ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada"]
@@ -399,7 +399,7 @@ def dump_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
     return write_atomic(path, config_text(cfg))
 
 
-def infer_kind(path: str | os.PathLike[str]) -> str:
+def job_kind(path: str | os.PathLike[str]) -> str:
     """Job kind from a file name: rl_* / multinode_rl_* -> rl, *_eval / eval_* -> eval, sft_* -> sft."""
     stem = Path(path).stem
     if stem.startswith(("rl_", "multinode_rl_")):
@@ -416,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     for path in sys.argv[1:] if argv is None else argv:
         try:
-            load_config([f"config={path}"], infer_kind(path), stream=sys.stdout)
+            load_config([f"config={path}"], job_kind(path), stream=sys.stdout)
             print(f"ok     {path}")
         except ConfigError as err:
             print(f"error  {err}")

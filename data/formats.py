@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KINDS", "DataFormatError", "validate_row", "validate_rows", "infer_kind", "load_dataset_file",
+__all__ = ["KINDS", "DataFormatError", "validate_row", "validate_rows", "row_kind", "load_dataset_file",
            "save_dataset_file"]
 
 KINDS = ("math", "option", "code", "sft")
@@ -112,7 +112,7 @@ def validate_rows(rows: Sequence[Any], kind: str, where: str = "<rows>") -> list
     return [validate_row(row, kind, i, where) for i, row in enumerate(rows)]
 
 
-def infer_kind(row: Mapping) -> str:
+def row_kind(row: Mapping) -> str:
     """Best guess of a row's kind from its fields (``code`` / ``sft`` / ``math``)."""
     if "test_method" in row:
         return "code"

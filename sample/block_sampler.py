@@ -40,7 +40,7 @@ REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a r
 
 
 @dataclass
-class _Row:
+class _Running:
     """Host-side state of one running sequence (its device-side state is a row of the sampler's tensors)."""
 
     seq: Sequence
@@ -183,7 +183,7 @@ class BlockSampler:
         self.fuse_max_tokens = FUSE_MAX_TOKENS["cuda" if self.device.type == "cuda" else "cpu"]
         sched = block_schedule(self.b, params.denoising_steps)
         self.schedule = schedule_table([sched], fill=self.b)[0].to(self.device)
-        self.running: list[_Row] = []
+        self.running: list[_Running] = []
         self.n_carrying = 0  # rows whose finished block rides in front of the next step (known from the last sync)
         self._init_batch()
 
@@ -227,7 +227,7 @@ class BlockSampler:
             blocks.append(tail + [self.adapter.mask_id] * (self.b - len(tail)))
             starts.append(cut)
             tails.append(len(tail))
-            self.running.append(_Row(seq, len(tail), cut))
+            self.running.append(_Running(seq, len(tail), cut))
         self.runner.admit(prefixes)
         self._append_rows(blocks, starts, tails)
 
@@ -311,7 +311,7 @@ class BlockSampler:
         self._advance(idx, finished)
         return done
 
-    def _absorb_block(self, row: _Row, tokens: list[int], steps: list[int], logps: list[float],
+    def _absorb_block(self, row: _Running, tokens: list[int], steps: list[int], logps: list[float],
                       confs: list[float]) -> Finished | None:
         """Append the block's response tokens to ``row``; its Finished record when the row is finished."""
         first = row.tail_len

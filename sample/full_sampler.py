@@ -49,7 +49,7 @@ _STATE = ("canvas", "valid", "pos", "decoded", "rec_step", "rec_logp", "rec_conf
 
 
 @dataclass
-class _FullRow:
+class _Running:
     """Host-side state of one running sequence (its canvas is a row of the sampler's tensors)."""
 
     seq: Sequence
@@ -76,7 +76,7 @@ class FullSampler:
         self.limit = limit
         self.stats = RolloutStats()
         self.num_layers = len(adapter.new_cache().keys)
-        self.running: list[_FullRow] = []
+        self.running: list[_Running] = []
         self.width = 0  # W: prompt columns (left-padded) before the generated region
         self.cache: BatchKVCache | None = None
         self._init_state()
@@ -131,7 +131,7 @@ class FullSampler:
             setattr(self, name, torch.cat([getattr(self, name), add[name]]))
         if self.params.cache != "none":
             self.cache = BatchKVCache.join(self.cache, BatchKVCache.empty(n, self.num_layers, dev))
-        self.running.extend(_FullRow(s, masks_left=self.bl) for s in sequences)
+        self.running.extend(_Running(s, masks_left=self.bl) for s in sequences)
 
     def _widen(self, prompt_len: int) -> None:
         """Left-pad the canvas so that prompts of ``prompt_len`` tokens fit (cached K/V are column-free)."""
@@ -207,20 +207,20 @@ class FullSampler:
         self.rec_logp = put(self.rec_logp, draw.logprob)
         self.rec_conf = put(self.rec_conf, draw.confidence)
 
-    def _candidate_hidden(self, pred_cols: Tensor) -> Tensor:
+    def _candidate_hidden(self, cols: Tensor) -> Tensor:
         """Hidden states [R, K, H] at the predicting columns, computed as the cache mode prescribes."""
         if self.params.cache == "none":
             hidden = self._forward(self.canvas, self.pos, self.valid)
-            return _gather_rows(hidden, pred_cols)
+            return _gather_rows(hidden, cols)
         refresh = [i for i, r in enumerate(self.running) if r.t_block == 0]
         if len(refresh) == len(self.running):
-            return self._refresh(None, pred_cols)
+            return self._refresh(None, cols)
         if not refresh:
-            return self._window(None, pred_cols)
+            return self._window(None, cols)
         g1 = torch.tensor(refresh, dtype=torch.long, device=self.device)
         g2 = torch.tensor([i for i in range(len(self.running)) if self.running[i].t_block], device=self.device)
-        h2 = self._window(g2, pred_cols[g2])  # reads the old cache rows of g2 before g1's rows are replaced
-        h1 = self._refresh(g1, pred_cols[g1])
+        h2 = self._window(g2, cols[g2])  # reads the old cache rows of g2 before g1's rows are replaced
+        h1 = self._refresh(g1, cols[g1])
         out = h1.new_empty(len(self.running), *h1.shape[1:])
         out[g1], out[g2] = h1, h2
         return out
@@ -245,7 +245,7 @@ class FullSampler:
     def _window_start(self, blk: int) -> int:
         return max(self.width + blk * self.bl - self.shift, 0)
 
-    def _refresh(self, rows: Tensor | None, pred_cols: Tensor) -> Tensor:
+    def _refresh(self, rows: Tensor | None, cols: Tensor) -> Tensor:
         """Full forward of the rows' canvas (their block's first step); keep K/V outside the window."""
         sel = (lambda t: t) if rows is None else (lambda t: t[rows])
         cache = BatchKVCache(self.num_layers)
@@ -262,9 +262,9 @@ class FullSampler:
             self.cache = cache.compact()
         else:
             self.cache = self.cache.replace_rows(rows, cache)
-        return _gather_rows(hidden, pred_cols)
+        return _gather_rows(hidden, cols)
 
-    def _window(self, rows: Tensor | None, pred_cols: Tensor) -> Tensor:
+    def _window(self, rows: Tensor | None, cols: Tensor) -> Tensor:
         """Forward of the rows' windows against their cached K/V (cache read only)."""
         start, end, width = self._window_bounds(rows)
         idx = start[:, None] + torch.arange(width, device=self.device)
@@ -275,7 +275,7 @@ class FullSampler:
         valid = sel(self.valid).gather(1, idx) & inside
         cache = self.cache if rows is None else self.cache.select_rows(rows)
         hidden = self._forward(ids, pos, valid, cache)
-        return _gather_rows(hidden, pred_cols - start[:, None])
+        return _gather_rows(hidden, cols - start[:, None])
 
     # ------------------------------------------------------------ after a step: blocks, stops, finished rows
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import SCHEMAS, ConfigError, dump_config, infer_kind, load_config, load_config_or_exit, main
+from core.config import SCHEMAS, ConfigError, dump_config, job_kind, load_config, load_config_or_exit, main
 from core.schema import to_dict
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams
@@ -51,7 +51,7 @@ def test_all_expected_configs_are_shipped():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_config_validates_and_round_trips(path, tmp_path):
-    kind = infer_kind(path)
+    kind = job_kind(path)
     if path.name in NOT_YET:
         assert "not supported yet" in _error([f"config={path}"], kind)
         return
@@ -66,13 +66,13 @@ def test_shipped_config_validates_and_round_trips(path, tmp_path):
 
 
 def test_infer_kind():
-    assert infer_kind("configs/multinode_rl_trado.yaml") == "rl"
-    assert infer_kind("configs/rl_dream.yaml") == "rl"
-    assert infer_kind("configs/llada_eval.yaml") == "eval"
-    assert infer_kind("configs/demo/eval_demo.yaml") == "eval"
-    assert infer_kind("configs/sft_mmada.yaml") == "sft"
+    assert job_kind("configs/multinode_rl_trado.yaml") == "rl"
+    assert job_kind("configs/rl_dream.yaml") == "rl"
+    assert job_kind("configs/llada_eval.yaml") == "eval"
+    assert job_kind("configs/demo/eval_demo.yaml") == "eval"
+    assert job_kind("configs/sft_mmada.yaml") == "sft"
     with pytest.raises(ConfigError, match="cannot infer"):
-        infer_kind("configs/whatever.yaml")
+        job_kind("configs/whatever.yaml")
 
 
 # ------------------------------------------------------------------------------------------ one declaration

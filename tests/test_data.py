@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from data.formats import DataFormatError, infer_kind, load_dataset_file, save_dataset_file, validate_row
+from data.formats import DataFormatError, load_dataset_file, row_kind, save_dataset_file, validate_row
 from data.tasks import arithmetic_task, code_task, evaluate_expression
 from reward.math import score_math
 from reward.sandbox import CodeJob, code_from_response, run_many
@@ -82,7 +82,7 @@ def test_file_level_errors(tmp_path):
 
 
 def test_infer_kind_and_save_roundtrip(tmp_path):
-    assert [infer_kind(r) for r in (MATH_ROW, FN_ROW, {"prompt": "p", "response": "r"})] == ["math", "code", "sft"]
+    assert [row_kind(r) for r in (MATH_ROW, FN_ROW, {"prompt": "p", "response": "r"})] == ["math", "code", "sft"]
     path = save_dataset_file([STDIO_ROW], tmp_path / "sub" / "x.json", "code")
     assert load_dataset_file(path, "code") == [STDIO_ROW]
     with pytest.raises(DataFormatError):

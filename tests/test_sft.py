@@ -18,7 +18,7 @@ from models.tiny import save_tiny_checkpoint
 from train.accelerator import build_accelerator
 from train.settings import OptimizerParams, RLTrainingConfig, SFTTrainingConfig
 from train.sft_trainer import SFTTrainer, sft_sample
-from train.views import ViewIds, build_view
+from train.views import ModelTraits, build_view
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -213,7 +213,7 @@ def test_elbo_weighting_divides_each_noised_token_by_its_masking_probability(tin
     assert torch.equal(plain.token_cols, elbo.token_cols) and plain.num_tokens > 0  # same draw, same tokens
     torch.testing.assert_close(elbo.weights, plain.weights * 4.0)  # t = 0.25 -> each token counts 4 times
     # coupled RL views: each draw (t = 0.25) is followed by its complement (t = 0.75)
-    ids, adv = ViewIds.from_adapter(adapter), {"a": 1.0, "b": 1.0}
+    ids, adv = ModelTraits.from_adapter(adapter), {"a": 1.0, "b": 1.0}
     fixed.update(method="coupled", layout="per_round")
     plain = build_view(samples, adv, RLTrainingConfig(**fixed), ids)
     elbo = build_view(samples, adv, RLTrainingConfig(elbo_weight=True, **fixed), ids)

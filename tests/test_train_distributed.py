@@ -77,7 +77,7 @@ def main() -> None:
     from train.accelerator import assert_world_size, build_accelerator
     from train.policy_trainer import PolicyTrainer
     from train.settings import OptimizerParams, RLTrainingConfig
-    from train.views import ViewIds, build_view
+    from train.views import ModelTraits, build_view
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, required=True)
@@ -99,7 +99,7 @@ def main() -> None:
     trajs = [fake_block_trajectory(rng, f"t{i}", rng.randint(1, 9), rng.randint(5, 12), 4, 3, 63, 63)
              for i in range(5)]
     advantages = {t.sample_id: 1.0 for t in trajs}
-    expected_tokens = build_view(trajs, advantages, cfg, ViewIds.from_adapter(adapter)).num_tokens
+    expected_tokens = build_view(trajs, advantages, cfg, ModelTraits.from_adapter(adapter)).num_tokens
     (metrics,) = trainer.train_step(trajs, advantages)
     after = _gathered(accelerator, trainer.model)
     dev = accelerator.device

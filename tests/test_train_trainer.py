@@ -22,7 +22,7 @@ from train.settings import (
     RLTrainingConfig,
     ViewConfig,
 )
-from train.views import ViewIds, build_view
+from train.views import ModelTraits, build_view
 
 
 def fresh_accelerator(**kwargs):
@@ -208,7 +208,7 @@ def test_reference_model_kl_term_in_trainer(tiny):
 
 
 def test_view_ids_follow_the_adapter(tiny):
-    ids = ViewIds.from_adapter(tiny("dream"))
+    ids = ModelTraits.from_adapter(tiny("dream"))
     assert ids.attention == "full" and ids.shift_logits and ids.block_size is None
 
 

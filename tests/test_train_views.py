@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from sample.trajectory import Trajectory
-from train.views import ViewConfig, ViewIds, build_view, collapse_k_unique
+from train.views import ModelTraits, ViewConfig, build_view, collapse_k_unique
 
 MASK, PAD, STOP = 99, 0, 1
-BLOCK2 = ViewIds(mask_id=MASK, pad_id=PAD, attention="block", block_size=2)
-FULL = ViewIds(mask_id=MASK, pad_id=PAD, attention="full")
-DREAM = ViewIds(mask_id=MASK, pad_id=PAD, attention="full", shift_logits=True)
+BLOCK2 = ModelTraits(mask_id=MASK, pad_id=PAD, attention="block", block_size=2)
+FULL = ModelTraits(mask_id=MASK, pad_id=PAD, attention="full")
+DREAM = ModelTraits(mask_id=MASK, pad_id=PAD, attention="full", shift_logits=True)
 
 
 def traj(prompt, response, steps, sid="a", tail=(), tail_steps=(), finish="length", logprobs=None):
@@ -208,7 +208,7 @@ def test_position_ids_are_explicit_and_rows_right_padded():
 
 def test_stop_token_is_trained_and_post_num_limits_other_pads():
     # PAD doubles as the stop token (TraDo: pad = EOS); the final one is the generated stop token.
-    ids = ViewIds(mask_id=MASK, pad_id=PAD, attention="full")
+    ids = ModelTraits(mask_id=MASK, pad_id=PAD, attention="full")
     t = traj([5], [20, PAD, PAD, 21, PAD], [1, 2, 3, 4, 5], finish="eos")
     for post_num, expected in ((0, [0, 3, 4]), (1, [0, 1, 3, 4]), (5, [0, 1, 2, 3, 4])):
         batch = build_view([t], {"a": 1.0}, ViewConfig(post_num=post_num), ids)
@@ -291,7 +291,7 @@ def test_loss_weights_are_layout_independent():
     rng = random.Random(0)
     trajs = [fake_block_trajectory(rng, str(i), rng.randint(1, 9), rng.randint(3, 15), 4, 3, 50, MASK)
              for i in range(4)]
-    ids = ViewIds(mask_id=MASK, pad_id=PAD, attention="block", block_size=4)
+    ids = ModelTraits(mask_id=MASK, pad_id=PAD, attention="block", block_size=4)
     adv = {t.sample_id: 1.0 for t in trajs}
     for norm in ("padded_length", "row_mean", "token_mean"):
         packed = build_view(trajs, adv, ViewConfig(layout="packed", loss_norm=norm), ids)
@@ -329,7 +329,7 @@ def _response_masks(batch, trajs) -> list[tuple[int, torch.Tensor]]:
 def test_coupled_rows_are_exact_complements(kind):
     rng = random.Random(1)
     if kind == "block":
-        ids = ViewIds(mask_id=MASK, pad_id=PAD, attention="block", block_size=4)
+        ids = ModelTraits(mask_id=MASK, pad_id=PAD, attention="block", block_size=4)
         trajs = [fake_block_trajectory(rng, str(i), rng.randint(1, 9), 40, 4, 4, 60, MASK) for i in range(3)]
     else:
         ids = FULL

@@ -35,7 +35,7 @@ from train.logprobs import gathered_logprobs
 from train.loss import LOSS_KEYS, LossOutput, finalize_metrics, sum_metrics
 from train.schedules import LRSchedule
 from train.settings import LRSchedulerConfig, OptimizerParams, TrainerSettings
-from train.views import TrainBatch, ViewIds, build_view
+from train.views import ModelTraits, TrainBatch, build_view
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Trainer:
         self.adapter, self.cfg = adapter, cfg
         opt = optimizer or OptimizerParams()
         sched = lr_scheduler or LRSchedulerConfig()
-        self.ids = ViewIds.from_adapter(adapter)
+        self.ids = ModelTraits.from_adapter(adapter)
         self.accelerator = accelerator or _default_accelerator(cfg)
         if cfg.enable_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

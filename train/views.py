@@ -71,7 +71,7 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ViewIds:
+class ModelTraits:
     """The adapter facts a view needs (kept separate so views stay pure and testable without a model)."""
 
     mask_id: int
@@ -88,7 +88,7 @@ class ViewIds:
             raise ValueError("shifted logits are not supported for block-attention models")
 
     @classmethod
-    def from_adapter(cls, adapter: Any) -> ViewIds:
+    def from_adapter(cls, adapter: Any) -> ModelTraits:
         return cls(mask_id=adapter.mask_id, pad_id=adapter.pad_id, attention=adapter.attention,
                    block_size=adapter.block_size if adapter.attention == "block" else None,
                    shift_logits=adapter.shift_logits)
@@ -218,7 +218,7 @@ class _Sample:
 
 
 def prepare_samples(trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
-                    cfg: ViewConfig, ids: ViewIds) -> tuple[list[_Sample], list[tuple[str, str]]]:
+                    cfg: ViewConfig, ids: ModelTraits) -> tuple[list[_Sample], list[tuple[str, str]]]:
     """Filter (over-long prompt, empty response), truncate and attach advantages BY sample_id (the reference indexes
     rewards by row after dropping rows, Gen-Verse/dLLM-RL train/rl_trado.py)."""
     seen: set[str] = set()
@@ -238,7 +238,7 @@ def prepare_samples(trajectories: Sequence[Trajectory], advantages: Mapping[str,
     return samples, dropped
 
 
-def _drop_reason(traj: Trajectory, cfg: ViewConfig, ids: ViewIds) -> str:
+def _drop_reason(traj: Trajectory, cfg: ViewConfig, ids: ModelTraits) -> str:
     if cfg.max_prompt_len is not None and len(traj.prompt_ids) > cfg.max_prompt_len:
         return f"prompt has {len(traj.prompt_ids)} tokens > max_prompt_len {cfg.max_prompt_len}"
     if not traj.response_ids:
@@ -248,7 +248,7 @@ def _drop_reason(traj: Trajectory, cfg: ViewConfig, ids: ViewIds) -> str:
     return ""
 
 
-def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig, ids: ViewIds) -> _Sample:
+def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig, ids: ModelTraits) -> _Sample:
     t = {name: torch.tensor(getattr(traj, name), dtype=torch.long)
          for name in ("prompt_ids", "response_ids", "step_map", "tail_ids", "tail_steps")}
     resp, steps, tail, tail_steps = t["response_ids"], t["step_map"], t["tail_ids"], t["tail_steps"]
@@ -389,7 +389,7 @@ def _random_block_units(g: _BlockGeometry, cfg: ViewConfig, gen: torch.Generator
     return _Units(masked, trained, in_copy, g.steps, level)
 
 
-def _block_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ViewIds, gen: torch.Generator) -> list[_Row]:
+def _block_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ModelTraits, gen: torch.Generator) -> list[_Row]:
     b = s.block
     g = _block_geometry(s, b)
     units = (_tracerl_block_units(g, cfg.shrink) if cfg.method == "tracerl"
@@ -473,7 +473,7 @@ def _full_units(s: _Sample, cfg: ViewConfig, gen: torch.Generator) -> _Units:
     return _Units(masked, trained, torch.ones_like(masked), collapsed, level)
 
 
-def _ar_rows(s: _Sample, si: int, ids: ViewIds) -> list[_Row]:
+def _ar_rows(s: _Sample, si: int, ids: ModelTraits) -> list[_Row]:
     """AR SFT of a model adapted from an AR model (shifted logits): the clean sequence under causal attention,
     every trainable response token predicted from the hidden state before it."""
     if not ids.shift_logits:
@@ -485,7 +485,7 @@ def _ar_rows(s: _Sample, si: int, ids: ViewIds) -> list[_Row]:
                  torch.ones(len(hit)))]
 
 
-def _full_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ViewIds, gen: torch.Generator) -> list[_Row]:
+def _full_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ModelTraits, gen: torch.Generator) -> list[_Row]:
     if cfg.method == "ar":
         return _ar_rows(s, si, ids)
     units = _full_units(s, cfg, gen).nonempty()
@@ -504,7 +504,7 @@ def _full_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ViewIds, gen: torch.Ge
 
 
 def build_view(trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
-               cfg: ViewConfig, ids: ViewIds) -> TrainBatch:
+               cfg: ViewConfig, ids: ModelTraits) -> TrainBatch:
     """The training batch of ``trajectories`` under ``cfg`` (TraceRL / random masking / coupled)."""
     samples, dropped = prepare_samples(trajectories, advantages, cfg, ids)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -518,7 +518,7 @@ def build_view(trajectories: Sequence[Trajectory], advantages: Mapping[str, floa
 
 
 def _finish(rows: list[_Row], samples: list[_Sample], dropped: list[tuple[str, str]], cfg: ViewConfig,
-            ids: ViewIds, exact: bool) -> TrainBatch:
+            ids: ModelTraits, exact: bool) -> TrainBatch:
     tensors = collate_rows([r.segments for r in rows], ids.pad_id)
     n_tok = [len(r.cols) for r in rows]
     sample_index = torch.cat([torch.full((k,), r.sample) for r, k in zip(rows, n_tok)]) if rows else _empty()
