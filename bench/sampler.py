@@ -4,6 +4,7 @@
     python -m bench.sampler --preset cpu             # hidden 256: batch 32 becomes compute-bound on 2 CPU cores
     python -m bench.sampler --device cuda --preset 1.7b --batch 64
     python -m bench.sampler --baseline 428247e       # also run the same measurements on an older commit
+    python -m bench.sampler --compare-dtypes         # float32 vs bfloat16 sampling, interleaved rounds
 
 Prints the hardware first, then tokens/s and tokens per forward for: our sampler at batch 1 and batch N, the
 no-cache reference path (``cache="none"``: recompute the whole sequence every step) at batch 1 and batch N, and
@@ -149,6 +150,30 @@ def compare_with_baseline(args: argparse.Namespace, argv: list[str]) -> None:
               f"{rounds[0][1][key][1]:>14.3f}")
 
 
+def compare_dtypes(args: argparse.Namespace) -> None:
+    """float32 vs bfloat16 sampling with our code, interleaved rounds (bf16 pays on CPUs with AVX512-BF16 / AMX)."""
+    rounds = {"float32": [], "bfloat16": []}
+    for _ in range(args.rounds):
+        for dtype in rounds:
+            rounds[dtype].append(measure_core(argparse.Namespace(**{**vars(args), "dtype": dtype})))
+    flags = _cpu_flags()
+    print(f"\nfloat32 vs bfloat16 ({args.rounds} interleaved rounds, best of rounds; CPU bf16 support: "
+          f"{', '.join(f for f in ('avx512_bf16', 'amx_bf16') if f in flags) or 'none'})")
+    print(f"{'variant':<26}{'fp32 tok/s':>12}{'bf16 tok/s':>12}{'ratio':>8}")
+    for key in rounds["float32"][0]:
+        fp32 = max(r[key][0] for r in rounds["float32"])
+        bf16 = max(r[key][0] for r in rounds["bfloat16"])
+        print(f"{key:<26}{fp32:>12.1f}{bf16:>12.1f}{bf16 / fp32:>7.2f}x")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -165,6 +190,7 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="also measure the code of this git commit (see above)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the baseline comparison")
     ap.add_argument("--loop-prompts", type=int, default=8, help="prompts sampled one at a time (comparison)")
+    ap.add_argument("--compare-dtypes", action="store_true", help="float32 vs bfloat16 sampling (see above)")
     ap.add_argument("--measure-json", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:]
     args = ap.parse_args()
@@ -172,6 +198,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.measure_json:
         print(json.dumps(measure_core(args)))
+        return
+    if args.compare_dtypes:
+        print(hardware_line(args.device))
+        compare_dtypes(args)
         return
     if args.baseline:
         own = [a for i, a in enumerate(argv) if a != "--baseline" and (i == 0 or argv[i - 1] != "--baseline")]
