@@ -97,7 +97,7 @@ def setup_mounts(spec: dict) -> str:
     if os.getpid() == 1:
         _mount("proc", "/proc", "proc")
     if spec.get("minimal_root"):
-        enter_minimal_root(size)
+        enter_minimal_root(size, spec.get("hide") or [])
     else:
         expose(spec.get("expose") or [])
     work = "/tmp/work"
@@ -117,9 +117,11 @@ def runtime_paths() -> list[str]:
     return sorted(p for p in paths if p and not p.startswith("/usr/") and os.path.isdir(p))
 
 
-def enter_minimal_root(tmp_opts: str) -> None:
+def enter_minimal_root(tmp_opts: str, hide: list[str]) -> None:
     """Pivot into a fresh tmpfs root holding only the runtime (read-only), /tmp, /dev/shm, a few device nodes and
-    /proc; the host's root is detached, so nothing of the project, data, home directories or /run is reachable."""
+    /proc; the host's root is detached, so nothing of the project, data, home directories or /run is reachable.
+    ``hide``: directories covered with an empty tmpfs should a runtime directory contain them (a project under
+    /usr/src, say), unless the runtime itself lives inside one."""
     syscall_nr = PIVOT_ROOT.get(platform.machine())
     if syscall_nr is None:
         raise OSError(f"pivot_root: unknown syscall number on {platform.machine()}")
@@ -132,9 +134,14 @@ def enter_minimal_root(tmp_opts: str) -> None:
         elif os.path.isdir(path):
             os.makedirs(root + path, 0o755)
             _bind(path, root + path)
-    for path in runtime_paths():
+    runtime = runtime_paths()
+    for path in runtime:
         os.makedirs(root + path, 0o755, exist_ok=True)
         _bind(path, root + path)
+    for path in hide:
+        inside_runtime = any(r == path or r.startswith(path.rstrip("/") + "/") for r in runtime)
+        if os.path.isdir(root + path) and not inside_runtime:
+            _mount("tmpfs", root + path, "tmpfs", "size=4k,mode=0")
     os.makedirs(root + "/etc", 0o755)
     if os.path.isfile("/etc/ld.so.cache"):  # how the dynamic loader finds libraries (programs may start python3)
         _bind_file("/etc/ld.so.cache", root + "/etc/ld.so.cache")

@@ -380,7 +380,14 @@ def _spec(job: CodeJob, cfg: SandboxConfig, caps: dict, uid: int | None, workdir
         "tmpfs_mb": cfg.tmpfs_mb, "uid": uid, "workdir": workdir,
         "net_ns": caps["net_ns"], "mount_ns": caps["mount_ns"], "expose": caps["expose"],
         "minimal_root": caps.get("minimal_root", False), "seccomp": caps.get("seccomp", False),
+        "hide": _private_dirs(),
     }
+
+
+def _private_dirs() -> list[str]:
+    """What a program must not see even where a runtime directory holds it: this project and our working dir."""
+    dirs = {str(Path(__file__).resolve().parents[1]), os.path.realpath(os.getcwd()), os.path.expanduser("~")}
+    return sorted(d for d in dirs if d not in ("/", ""))
 
 
 def _clean_env(home: str) -> dict[str, str]:

@@ -471,3 +471,18 @@ def test_keyrings_and_new_namespaces_are_refused():
 def test_plain_answers_still_pass(code, tests):
     res = run_program(fn_job("import math\n" + code, tests), CFG)
     assert res.all_passed, res.tests
+
+
+@needs_minimal_root
+def test_project_dirs_inside_runtime_dirs_are_hidden(monkeypatch):
+    """A project living under a runtime directory (e.g. /usr/src/app in a container) is covered, not exposed."""
+    from reward import sandbox
+
+    if not os.listdir("/usr/share"):
+        pytest.skip("/usr/share is empty here")
+    code = "import os\ndef f(x):\n    return x + 1 if os.listdir('/usr/share') else -1\n"
+    assert run_program(fn_job(code), CFG).all_passed  # visible by default: part of the runtime's /usr
+    monkeypatch.setattr(sandbox, "_private_dirs", lambda: ["/usr/share"])
+    hidden = run_program(fn_job(code), CFG)
+    assert hidden.pass_fraction == 0.0 and hidden.reason == "runtime_error"  # PermissionError: nothing to list
+    assert run_program(GOOD, CFG).all_passed  # the runtime itself still works
