@@ -147,6 +147,16 @@ class KVCache:
         valid = valid.bool()
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
 
+def predicting_columns(columns: Tensor, shift_logits: bool, first: Tensor | int | None = None) -> Tensor:
+    """The column whose hidden state predicts the token at each column: the one before it for families adapted
+    from AR models (shifted logits), itself otherwise; with ``first``, never before it (a row's first real column
+    predicts itself: the reference's "duplicate the first logit" convention). Sampler and trainer both use this."""
+    if not shift_logits:
+        return columns
+    cols = columns - 1
+    return cols if first is None else torch.maximum(cols, torch.as_tensor(first, device=cols.device))
+
+
 def stored_columns(store: bool | int, new: int) -> int:
     """How many of ``new`` columns a forward with ``store_kv=store`` keeps in the cache."""
     if store is True:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from models.common import AttentionLayout, KVCache
+from models.common import AttentionLayout, KVCache, predicting_columns
 from models.dream import DreamConfig, DreamModel
 from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
@@ -104,7 +104,7 @@ class Adapter:
 
     def predicting_index(self, index: Tensor) -> Tensor:
         """Index of the hidden state whose logits predict the token at ``index`` (index - 1 when shifted)."""
-        return index - 1 if self.shift_logits else index
+        return predicting_columns(index, self.shift_logits)
 
     def encode_chat(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat prompt rendered with the tokenizer's chat template (a str is one user turn).

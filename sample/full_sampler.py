@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.common import AttentionLayout
+from models.common import AttentionLayout, predicting_columns
 from sample.engine import Finished, RolloutStats, Sequence
 from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
@@ -179,9 +179,7 @@ class FullSampler:
 
     def _predicting_columns(self, cand: Tensor) -> Tensor:
         """Canvas column whose hidden state predicts each candidate (c - 1 when shifted, never before the row)."""
-        cols = self.adapter.predicting_index(cand + self.width)
-        first_real = (self.width - self.plen)[:, None]
-        return torch.maximum(cols, first_real)
+        return predicting_columns(cand + self.width, self.adapter.shift_logits, (self.width - self.plen)[:, None])
 
     def _denoise_step(self) -> None:
         cand, cand_valid = self._candidates()

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.common import AttentionLayout
+from models.common import AttentionLayout, predicting_columns
 from sample.trajectory import Trajectory
 from train.layouts import Segment, clean_segment, collate_rows, select_layout_rows
 from train.settings import ViewConfig
@@ -532,7 +532,7 @@ def _finish(rows: list[_Row], samples: list[_Sample], dropped: list[tuple[str, s
         input_ids=tensors.input_ids, position_ids=tensors.position_ids, layout=tensors.layout,
         row_sample=torch.tensor([r.sample for r in rows], dtype=torch.long),
         rows=torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(n_tok, dtype=torch.long)),
-        cols=(token_cols - 1).clamp(min=0) if ids.shift_logits else token_cols, token_cols=token_cols,
+        cols=predicting_columns(token_cols, ids.shift_logits, first=0), token_cols=token_cols,
         labels=gather("resp"), advantages=gather("adv"), old_logprobs=gather("logp") if exact else
         torch.full((len(token_cols),), math.nan), weights=_weights(unit, samples, cfg.loss_norm) / level,
         sample_index=sample_index, token_index=resp_index,
