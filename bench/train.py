@@ -1,6 +1,7 @@
 """Benchmark of one TraceRL training pass (forward + backward of the policy loss) on a tiny SDAR, on CPU.
 
-Compares, per sample: per-round rows vs the packed layout, and full logits ([R, N, V] then log_softmax over every
+Compares, per sample: dense masked attention vs split attention (pieces of a row attend only to the keys they may
+see), per-round rows vs the packed layout, and full logits ([R, N, V] then log_softmax over every
 position, the reference's way, Gen-Verse/dLLM-RL train/rl_trado.py) vs gathered chunked log-probs (LM head on trained
 positions
 only). Workload: prompt L0, response L1, block b, ``steps_per_block`` steps per block (each block decodes one
@@ -35,7 +36,12 @@ import time
 
 import torch
 
-CONFIGS = (("per_round", "full"), ("per_round", "gathered"), ("packed", "full"), ("packed", "gathered"))
+# (layout, logits, attention): dense = one masked [N, N] attention per row (the reference's way), split = ours on
+# CPU (each piece of the row attends only to the keys it may see, models/common.py). The first is the baseline.
+# budget = packed rows of at most --row-budget tokens (training.max_row_tokens; default: 2 per-round rows).
+CONFIGS = (("per_round", "full", "dense"), ("per_round", "gathered", "dense"), ("packed", "gathered", "dense"),
+           ("per_round", "full", "split"), ("per_round", "gathered", "split"), ("packed", "full", "split"),
+           ("packed", "gathered", "split"), ("budget", "gathered", "split"))
 
 
 def hardware_line() -> str:
@@ -88,7 +94,10 @@ def trajectories(args: argparse.Namespace, n: int):
 
 def run_one(args: argparse.Namespace) -> dict:
     """One configuration (in its own process): time and peak extra memory per sample."""
-    from models.common import AttentionLayout  # noqa: F401  (import cost outside the timing)
+    from models import common
+
+    if args.attention == "dense":
+        common.SPLIT_MAX_DENSITY = 0.0  # never split: one dense masked attention per row
     from train.logprobs import full_logits_logprobs, gathered_logprobs
     from train.loss import policy_loss
     from train.settings import LossConfig, ViewConfig
@@ -99,7 +108,10 @@ def run_one(args: argparse.Namespace) -> dict:
     ids = ModelTraits(mask_id=args.vocab - 1, pad_id=0, attention="block", block_size=args.block)
     n = args.samples + 1
     trajs = trajectories(args, n)
-    batches = [build_view([t], {t.sample_id: 1.0}, ViewConfig(layout=args.layout), ids) for t in trajs]
+    budget = args.row_budget or 2 * (args.l0 + 2 * args.l1)  # about two per-round rows
+    view = ViewConfig(layout="packed", max_row_tokens=budget) if args.layout == "budget" else ViewConfig(
+        layout=args.layout)
+    batches = [build_view([t], {t.sample_id: 1.0}, view, ids) for t in trajs]
     micro = [[b.select_rows([r]) for r in range(b.num_rows)] for b in batches]
     loss_cfg = LossConfig(beta=0.01)
 
@@ -127,17 +139,18 @@ def run_one(args: argparse.Namespace) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
     b = batches[1]
     logit_rows = b.num_input_tokens if args.logits == "full" else b.num_tokens
-    return {"layout": args.layout, "logits": args.logits, "rows": b.num_rows, "input_tokens": b.num_input_tokens,
+    return {"layout": args.layout, "logits": args.logits, "attention": args.attention, "rows": b.num_rows,
+            "input_tokens": b.num_input_tokens,
             "trained_tokens": b.num_tokens, "logit_rows": logit_rows, "seconds": elapsed, "peak_mib": peak / 1024}
 
 
-def _child(argv: list[str] | None, layout: str, logits: str, measure: str) -> dict:
+def _child(argv: list[str] | None, layout: str, logits: str, attention: str, measure: str) -> dict:
     """Run one measurement in a fresh process; the memory run keeps every large buffer in its own mmap."""
     env = dict(os.environ)
     if measure == "memory":  # freed buffers go back to the OS at once, so RSS follows live tensor memory
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     cmd = [sys.executable, "-m", "bench.train", *(argv if argv is not None else sys.argv[1:]), "--layout", layout,
-           "--logits", logits, "--measure", measure]
+           "--logits", logits, "--attention", attention, "--measure", measure]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
     result = json.loads(out)
     return {k: v for k, v in result.items() if v == v and not (measure == "time" and k == "peak_mib")}
@@ -155,9 +168,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=3, help="measured samples per configuration")
     p.add_argument("--chunk", type=int, default=128, help="logits_chunk_size of the gathered log-probs")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--layout", choices=("per_round", "packed"), help=argparse.SUPPRESS)
+    p.add_argument("--layout", choices=("per_round", "packed", "budget"), help=argparse.SUPPRESS)
+    p.add_argument("--row-budget", type=int, default=None, help="max_row_tokens of the budget layout")
     p.add_argument("--logits", choices=("full", "gathered"), help=argparse.SUPPRESS)
     p.add_argument("--measure", choices=("time", "memory"), help=argparse.SUPPRESS)
+    p.add_argument("--attention", choices=("dense", "split"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -171,15 +186,16 @@ def main(argv: list[str] | None = None) -> None:
           f"vocab={args.vocab} hidden={args.hidden} layers={args.layers}, fp32, forward+backward, "
           f"time = fastest of {args.samples} samples after 1 warm-up, one row per micro-batch")
     rows = {}
-    for layout, logits in CONFIGS:
-        rows[(layout, logits)] = r = {**_child(argv, layout, logits, "memory"), **_child(argv, layout, logits, "time")}
-        print(f"{layout:>9} + {logits:<8}: rows/sample {r['rows']}, input tokens {r['input_tokens']}, "
-              f"trained tokens {r['trained_tokens']}, LM-head rows {r['logit_rows']}, "
+    for config in CONFIGS:
+        rows[config] = r = {**_child(argv, *config, "memory"), **_child(argv, *config, "time")}
+        print(f"{config[0]:>9} + {config[1]:<8} + {config[2]:<5}: rows/sample {r['rows']}, input tokens "
+              f"{r['input_tokens']}, trained tokens {r['trained_tokens']}, LM-head rows {r['logit_rows']}, "
               f"{r['seconds']:.2f} s/sample, peak +{r['peak_mib']:.0f} MiB/sample")
-    base = rows[("per_round", "full")]
+    base_key = CONFIGS[0]
+    base = rows[base_key]
     for key, r in rows.items():
-        if key != ("per_round", "full"):
-            print(f"ratio {key[0]}+{key[1]} vs per_round+full: speed-up {base['seconds'] / r['seconds']:.2f}x, "
+        if key != base_key:
+            print(f"{'+'.join(key)} vs {'+'.join(base_key)}: time {r['seconds'] / base['seconds']:.2f}x, "
                   f"peak memory {r['peak_mib'] / base['peak_mib']:.2f}x")
 
 

@@ -188,8 +188,63 @@ def attend(
     if backend == "flash" and flash_attn_func is not None and q.is_cuda and _layout_is_full(layout) and past_k is None:
         out = flash_attn_func(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), causal=False)
         return out.transpose(1, 2)
+    if cache is None and not q.is_cuda and _split_pays(layout):
+        return _split_attention(q, k, v, layout)
     mask = layout_mask(layout, cache if past_k is not None else None)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# Split attention (CPU, no cache): a TraceRL row [clean sequence | noisy copy 1 | copy 2 | ...] lets each query see a
+# small part of the keys (a copy: the clean blocks before it and its own block), so one dense masked [N, N] area
+# wastes most of its work. The queries are cut into pieces (each noisy copy; the clean part in chunks of
+# SPLIT_CHUNK) and each piece attends only to the keys some query of it may see: the same result, a fraction of
+# the area (on CUDA, FlexAttention's block-sparse masks do this: model.attn_backend=flex).
+SPLIT_CHUNK = 256
+SPLIT_MIN_TOKENS = 512  # shorter rows: one call is cheaper than several
+SPLIT_MAX_DENSITY = 0.6  # visible fraction of the [N, N] area below which splitting pays
+
+
+def _split_pays(layout: AttentionLayout) -> bool:
+    if "split" not in layout._masks:
+        n = layout.block.shape[1]
+        layout._masks["split"] = n >= SPLIT_MIN_TOKENS and float(
+            layout.dense_mask().float().mean()) < SPLIT_MAX_DENSITY  # one host sync per forward
+    return layout._masks["split"]
+
+
+def _split_plan(layout: AttentionLayout) -> list[list[tuple[int, int, Tensor, Tensor]]]:
+    """Per row, pieces (q0, q1, visible key columns, mask of the piece over them) covering every query once."""
+    if "split_plan" in layout._masks:
+        return layout._masks["split_plan"]
+    mask = layout.dense_mask()[:, 0]
+    copy = layout.copy.cpu()
+    n = copy.shape[1]
+    plan = []
+    for row in range(copy.shape[0]):
+        c = copy[row]
+        bounds = [0, *((c[1:] != c[:-1]).nonzero().squeeze(1) + 1).tolist(), n]
+        pieces = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            step = SPLIT_CHUNK if int(c[start]) == 0 else end - start
+            for q0 in range(start, end, step):
+                q1 = min(q0 + step, end)
+                keys = mask[row, q0:q1].any(0).nonzero().squeeze(1)
+                pieces.append((q0, q1, keys, mask[row, q0:q1].index_select(1, keys)[None, None]))
+        plan.append(pieces)
+    layout._masks["split_plan"] = plan
+    return plan
+
+
+def _split_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    rows = []
+    for row, pieces in enumerate(_split_plan(layout)):
+        qr, kr, vr = q[row:row + 1], k[row:row + 1], v[row:row + 1]
+        parts = [F.scaled_dot_product_attention(qr[:, :, q0:q1], kr.index_select(2, keys), vr.index_select(2, keys),
+                                                attn_mask=piece_mask, enable_gqa=gqa)
+                 for q0, q1, keys, piece_mask in pieces]
+        rows.append(torch.cat(parts, 2))
+    return torch.cat(rows, 0)
 
 
 def layout_mask(layout: AttentionLayout, cache: KVCache | None) -> Tensor:

@@ -137,6 +137,21 @@ def test_packed_and_per_round_layouts_give_equal_loss_and_gradients(tiny):
         torch.testing.assert_close(grads_p[name], grads_r[name], rtol=1e-4, atol=1e-7)
 
 
+def test_packed_rows_under_a_token_budget_give_the_per_round_loss_and_gradients(tiny):
+    adapter = tiny("sdar", seed=3)
+    trajs = fake_batch(adapter, n=3)
+    adv = {t.sample_id: float(a) for t, a in zip(trajs, (1.0, -0.5, 2.0))}
+    trainer = make_trainer(adapter, micro_batch_size=2, loss=LossConfig(beta=0.05, eps=0.2))
+    budgeted = build_view(trajs, adv, ViewConfig(max_row_tokens=40), trainer.ids)
+    per_round = build_view(trajs, adv, ViewConfig(layout="per_round"), trainer.ids)
+    assert 3 < budgeted.num_rows < per_round.num_rows
+    loss_b, grads_b = _loss_and_grads(trainer, budgeted)
+    loss_r, grads_r = _loss_and_grads(trainer, per_round)
+    assert loss_b == pytest.approx(loss_r, rel=1e-5)
+    for name in grads_r:
+        torch.testing.assert_close(grads_b[name], grads_r[name], rtol=1e-4, atol=1e-7)
+
+
 def test_gradient_accumulation_divides_once(tiny):
     trajs = fake_batch(tiny("sdar"), n=4, seed=5)
     adv = {t.sample_id: 1.0 for t in trajs}

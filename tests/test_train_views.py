@@ -369,3 +369,60 @@ def test_random_block_view_has_one_copy_over_all_response_blocks():
     assert batch.input_ids[0].tolist() == [5, 6, 7, 20, 21, 22, 7] + [MASK] * 5  # p2 kept, y0..y3 + tail masked
     assert batch.layout.copy[0].tolist() == [0] * 6 + [1] * 6
     assert trained_sets(batch) == {0: [0, 1, 2, 3]}
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_round"])
+def test_split_attention_equals_the_dense_masked_attention(layout):
+    """Long TraceRL rows on CPU attend piece by piece (each noisy copy, clean chunks) to the keys they may see:
+    outputs and gradients equal one dense masked attention over the whole row."""
+    import torch.nn.functional as F
+
+    from models import common
+
+    rng = random.Random(3)
+    trajs = [fake_block_trajectory(rng, f"s{i}", 37 + 5 * i, 300, 4, 4, 90, MASK) for i in range(2)]
+    batch = build_view(trajs, {"s0": 1.0, "s1": -1.0}, ViewConfig(layout=layout, seed=0),
+                       ModelTraits(mask_id=MASK, pad_id=PAD, attention="block", block_size=4))
+    lay = batch.layout
+    rows, n = batch.input_ids.shape
+    assert n >= common.SPLIT_MIN_TOKENS and common._split_pays(lay)  # the split path is the one taken
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, 4, n, 8, generator=g, requires_grad=True)
+    k = torch.randn(rows, 2, n, 8, generator=g, requires_grad=True)
+    v = torch.randn(rows, 2, n, 8, generator=g, requires_grad=True)
+    w = torch.randn(rows, 4, n, 8, generator=g)
+    split = common.attend(q, k, v, lay, None, 0, False)
+    grads = torch.autograd.grad((split * w).sum(), (q, k, v))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.dense_mask(), enable_gqa=True)
+    dense_grads = torch.autograd.grad((dense * w).sum(), (q, k, v))
+    pieces = sum(len(p) for p in common._split_plan(lay))
+    assert pieces > rows  # really split
+    torch.testing.assert_close(split, dense, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, dense_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [1, 300, 450])
+def test_packed_rows_under_a_token_budget_hold_the_same_trained_tokens(budget):
+    """max_row_tokens spreads a sample's rounds over several packed rows; every row fits the budget (or holds one
+    round) and the trained tokens, labels, inputs seen and weights are those of the unlimited packed view."""
+    rng = random.Random(5)
+    trajs = [fake_block_trajectory(rng, f"s{i}", 9 + 3 * i, 120, 4, 4, 90, MASK) for i in range(2)]
+    traits = ModelTraits(mask_id=MASK, pad_id=PAD, attention="block", block_size=4)
+    adv = {"s0": 1.0, "s1": -0.5}
+    whole = build_view(trajs, adv, ViewConfig(seed=0), traits)
+    split = build_view(trajs, adv, ViewConfig(seed=0, max_row_tokens=budget), traits)
+    per_round = build_view(trajs, adv, ViewConfig(seed=0, layout="per_round"), traits)
+    assert whole.num_rows == 2 < split.num_rows <= per_round.num_rows
+    if budget == 1:
+        assert split.num_rows == per_round.num_rows  # one round per row
+
+    def by_token(b):
+        order = torch.argsort(b.sample_index * 10_000 + b.token_index * 100 + b.unit)
+        return [getattr(b, f)[order] for f in ("sample_index", "token_index", "unit", "labels", "weights")]
+
+    for x, y in zip(by_token(split), by_token(whole)):
+        assert torch.equal(x, y)
+    lengths = split.layout.valid.sum(1)
+    units_per_row = [len(set(split.unit[split.rows == r].tolist())) for r in range(split.num_rows)]
+    assert all(int(n) <= budget or k == 1 for n, k in zip(lengths, units_per_row))

@@ -31,6 +31,9 @@ class ViewConfig(Seeded):
     # TraceRL | random_masking | coupled (RL and SFT); semi_ar | ar (SFT of full-attention models)
     method: str = "tracerl"
     layout: Literal["packed", "per_round"] = "packed"  # block models only; full attention: one row per unit
+    # packed rows hold at most this many tokens: a sample's rounds are spread over several packed rows (at least one
+    # round each), which bounds the activation memory of a row; null = one row per sample
+    max_row_tokens: int | None = bounded(None, 1)
     shrink: int = bounded(1, 1)  # merge groups of `shrink` consecutive step ids into one round
     post_num: int = bounded(0, 0)  # trained pad tokens per response besides the stop token
     max_prompt_len: int | None = bounded(None, 1)  # longer prompts are dropped together with their rewards

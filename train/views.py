@@ -403,8 +403,25 @@ def _block_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ModelTraits, gen: tor
     if cfg.layout == "per_round":  # one row per unit, copy index 1
         return [_assemble(s, si, clean_ids[:clean_len[u]], b, [_copy_segment(g, units, u, ids.mask_id, 1)], [u],
                           units) for u in range(n_units)]
-    copies = [_copy_segment(g, units, u, ids.mask_id, u + 1) for u in range(n_units)]  # packed: copy index r
-    return [_assemble(s, si, clean_ids[:max(clean_len)], b, copies, list(range(n_units)), units)]
+    rows = []
+    for group in _pack_units(clean_len, units.in_copy.sum(1).tolist(), cfg.max_row_tokens):
+        copies = [_copy_segment(g, units, u, ids.mask_id, j + 1) for j, u in enumerate(group)]  # copy index j + 1
+        rows.append(_assemble(s, si, clean_ids[:max(clean_len[u] for u in group)], b, copies, group, units))
+    return rows
+
+
+def _pack_units(clean_len: list[int], copy_len: list[int], budget: int | None) -> list[list[int]]:
+    """Units grouped into packed rows, in order: a row takes units while its clean context plus its copies fit
+    ``budget`` tokens (at least one unit per row; no budget: one row)."""
+    groups: list[list[int]] = [[]]
+    for u in range(len(clean_len)):
+        grown = groups[-1] + [u]
+        size = max(clean_len[x] for x in grown) + sum(copy_len[x] for x in grown)
+        if groups[-1] and budget is not None and size > budget:
+            groups.append([u])
+        else:
+            groups[-1] = grown
+    return groups
 
 
 def _copy_segment(g: _BlockGeometry, units: _Units, u: int, mask_id: int, copy: int) -> tuple[Segment, Tensor]:
