@@ -44,13 +44,13 @@ from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer, split_steps
 
-_STATE = ("canvas", "valid", "pos", "decoded", "rec_step", "rec_logp", "rec_conf", "blk", "t_block", "counter",
-          "plen")
+_STATE = ("canvas", "valid", "pos", "decoded", "rec_step", "rec_logp", "rec_conf", "counter", "plen")
 
 
 @dataclass
 class _Running:
-    """Host-side state of one running sequence (its canvas is a row of the sampler's tensors)."""
+    """Host-side state of one running sequence (its canvas is a row of the sampler's tensors). The block and step
+    counters live here only; each step sends them to the device once (``FullSampler.blk`` / ``t_block``)."""
 
     seq: Sequence
     blk: int = 0  # current block index
@@ -91,7 +91,7 @@ class FullSampler:
         self.rec_step = torch.empty(0, g, **long0)
         self.rec_logp = torch.empty(0, g, dtype=torch.float32, device=dev)
         self.rec_conf = torch.empty(0, g, dtype=torch.float32, device=dev)
-        for name in ("blk", "t_block", "counter", "plen"):
+        for name in ("counter", "plen"):
             setattr(self, name, torch.empty(0, **long0))
         self.width = 0
         self.runner.reset()
@@ -125,7 +125,7 @@ class FullSampler:
         zeros_g = torch.zeros(n, g, dtype=torch.long, device=dev)
         zeros_n = torch.zeros(n, dtype=torch.long, device=dev)
         add = {"canvas": canvas, "valid": valid, "pos": pos, "decoded": zeros_g.bool(), "rec_step": zeros_g,
-               "rec_logp": zeros_g.float(), "rec_conf": zeros_g.float(), "blk": zeros_n, "t_block": zeros_n,
+               "rec_logp": zeros_g.float(), "rec_conf": zeros_g.float(),
                "counter": zeros_n, "plen": plen}
         for name in _STATE:
             setattr(self, name, torch.cat([getattr(self, name), add[name]]))
@@ -180,6 +180,8 @@ class FullSampler:
         return predicting_columns(cand + self.width, self.adapter.shift_logits, (self.width - self.plen)[:, None])
 
     def _denoise_step(self) -> None:
+        counters = torch.tensor([[r.blk, r.t_block] for r in self.running], dtype=torch.long)
+        self.blk, self.t_block = counters.to(self.device).unbind(1)  # this step's, from the host counters
         cand, cand_valid = self._candidates()
         hidden = self.runner.hidden(self._predicting_columns(cand))
         self.stats.denoise_forwards += 1
@@ -188,7 +190,6 @@ class FullSampler:
         n_t = self.schedule[self.blk, self.t_block.clamp(max=self.schedule.shape[1] - 1)]
         transfer = select_transfer(draw, cand_valid, n_t, self.params, self.generator)
         self.counter += 1
-        self.t_block += 1
         self._write(cand, transfer, draw)
 
     def _write(self, cand: Tensor, transfer: Tensor, draw) -> None:
@@ -228,7 +229,7 @@ class FullSampler:
 
     def _after_step(self) -> list[Finished]:
         status = self._status()
-        finished, advanced = [], []
+        finished = []
         for i, (masks_left, fin, *_) in enumerate(status):
             row = self.running[i]
             row.t_block += 1
@@ -237,11 +238,6 @@ class FullSampler:
                 finished.append(i)
             elif masks_left == 0:
                 row.blk, row.t_block, row.masks_left = row.blk + 1, 0, self.bl
-                advanced.append(i)
-        if advanced:
-            idx = torch.tensor(advanced, dtype=torch.long, device=self.device)
-            self.blk[idx] += 1
-            self.t_block[idx] = 0
         done = self._trajectories(finished, [status[i] for i in finished]) if finished else []
         if finished:
             self._drop(finished)
