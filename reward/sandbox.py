@@ -237,7 +237,7 @@ def _capabilities(isolation: str) -> dict:
         if minimal_root and not caps["mount_ns"]:
             continue
         trial = {**caps, "minimal_root": minimal_root, "seccomp": seccomp}
-        if _run(probe, SandboxConfig(isolation=isolation), 63, 1, trial).all_passed:
+        if _run(probe, SandboxConfig(isolation=isolation), 63, trial).all_passed:
             features.update(minimal_root=minimal_root, seccomp=seccomp)
             break
     return {**caps, **features}
@@ -379,7 +379,7 @@ def _spec(job: CodeJob, cfg: SandboxConfig, caps: dict, uid: int | None, workdir
         "max_output_bytes": cfg.max_output_bytes, "max_file_bytes": cfg.max_file_bytes,
         "tmpfs_mb": cfg.tmpfs_mb, "uid": uid, "workdir": workdir,
         "net_ns": caps["net_ns"], "mount_ns": caps["mount_ns"], "expose": caps["expose"],
-        "minimal_root": caps.get("minimal_root", False), "seccomp": caps.get("seccomp", False),
+        "minimal_root": caps["minimal_root"], "seccomp": caps["seccomp"],
         "hide": _private_dirs(),
     }
 
@@ -507,7 +507,7 @@ def run_program(job: CodeJob, config: SandboxConfig | None = None, slot: int | N
     own_slot = slot is None
     slot = _SLOTS.acquire() if own_slot else slot
     try:
-        return _run(job, cfg, slot, len(tests))
+        return _run(job, cfg, slot)
     finally:
         if own_slot:
             _SLOTS.release(slot)
@@ -519,19 +519,25 @@ def _interpreter() -> str:
     return base if base and os.path.exists(base) else os.path.realpath(sys.executable)
 
 
-def _run(job: CodeJob, cfg: SandboxConfig, slot: int, n_tests: int, caps: dict | None = None) -> RunResult:
+@functools.cache
+def _runner_header() -> bytes:
+    """What the bootstrap reads first: the supervisor's source and its length (read once per process)."""
+    source = RUNNER.read_bytes()
+    return b"%d\n" % len(source) + source
+
+
+def _run(job: CodeJob, cfg: SandboxConfig, slot: int, caps: dict | None = None) -> RunResult:
     caps = caps or sandbox_capabilities(cfg.isolation)
     uid = _sandbox_uid(cfg, slot) if caps["uid_drop"] else None
     nonce = secrets.token_hex(16)
     probes, checks = zip(*plan_tests(job.tests()))
+    n_tests = len(checks)
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     start = time.monotonic()
     try:
         if uid is not None:
             os.chown(workdir, uid, uid)
-        source = RUNNER.read_bytes()
-        payload = b"%d\n" % len(source) + source + json.dumps(_spec(job, cfg, caps, uid, workdir, nonce,
-                                                                     list(probes))).encode()
+        payload = _runner_header() + json.dumps(_spec(job, cfg, caps, uid, workdir, nonce, list(probes))).encode()
         # -I: isolated mode (no site-packages, no script directory on sys.path)
         cmd = [*caps["prefix"], _interpreter(), "-I", "-X", "utf8", "-c", _BOOT]
         try:

@@ -99,8 +99,7 @@ def _value_shape(test: ast.expr) -> tuple[ast.expr, Check] | None:
         expr, expected = (left, value_right) if lit_right else (right, value_left)
         if isinstance(op, (ast.Eq, ast.NotEq)):
             return expr, Check("value", "eq" if isinstance(op, ast.Eq) else "ne", expected)
-        if isinstance(op, ast.Is) and lit_right and expected in (None, True, False) and type(expected) in (
-                type(None), bool):
+        if isinstance(op, ast.Is) and lit_right and type(expected) in (type(None), bool):
             return expr, Check("value", "is", expected)
         if isinstance(op, (ast.Lt, ast.LtE)) and lit_right and _is_abs_diff(left):
             inner = left.args[0]

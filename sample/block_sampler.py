@@ -298,7 +298,8 @@ class BlockSampler:
             if finished_seq is not None:
                 done.append(finished_seq)
                 finished.append(row_idx)
-        going_on = [i for i in complete if i not in set(finished)]
+        gone = set(finished)
+        going_on = [i for i in complete if i not in gone]
         if going_on:
             cont = torch.tensor(going_on, dtype=torch.long, device=self.device)
             for i in going_on:

@@ -413,14 +413,14 @@ def _block_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ModelTraits, gen: tor
 def _pack_units(clean_len: list[int], copy_len: list[int], budget: int | None) -> list[list[int]]:
     """Units grouped into packed rows, in order: a row takes units while its clean context plus its copies fit
     ``budget`` tokens (at least one unit per row; no budget: one row)."""
-    groups: list[list[int]] = [[]]
-    for u in range(len(clean_len)):
-        grown = groups[-1] + [u]
-        size = max(clean_len[x] for x in grown) + sum(copy_len[x] for x in grown)
-        if groups[-1] and budget is not None and size > budget:
-            groups.append([u])
-        else:
-            groups[-1] = grown
+    groups: list[list[int]] = []
+    clean = copies = 0  # the current row's clean context and copy tokens
+    for u, (need, size) in enumerate(zip(clean_len, copy_len)):
+        if not groups or (budget is not None and max(clean, need) + copies + size > budget):
+            groups.append([])
+            clean = copies = 0
+        groups[-1].append(u)
+        clean, copies = max(clean, need), copies + size
     return groups
 
 
