@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.sdar import SDARConfig, SDARForCausalLM  # noqa: E402
+from tests.launched import leave  # noqa: E402
 from train.accelerator import assert_world_size, build_accelerator  # noqa: E402
 
 VOCAB, MASK, LR, CLIP = 64, 63, 1e-2, 1.0
@@ -119,7 +120,7 @@ def main() -> None:
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(json.dumps(result))
-    accelerator.end_training()
+    leave(accelerator)
 
 
 if __name__ == "__main__":

@@ -184,6 +184,8 @@ def test_two_process_sft_ends_with_identical_weights(tmp_path, ckpt, config):
 if __name__ == "__main__":  # launched by the 2-process test: SFT, then a digest of this rank's whole weights
     import hashlib
 
+    from tests.launched import leave
+
     job = SFTJob(load_config(sys.argv[1:], "sft"), progress=False)
     job.run(job.prepare())
     from jobs.rl import sampling_weights
@@ -194,6 +196,7 @@ if __name__ == "__main__":  # launched by the 2-process test: SFT, then a digest
             digest.update(name.encode() + p.detach().float().cpu().numpy().tobytes())
     Path(f"{os.environ['SFT_DIGEST']}.{job.acc.process_index}.json").write_text(json.dumps(
         {"digest": digest.hexdigest(), "num_processes": job.acc.num_processes}))
+    leave(job.acc)
 
 
 def _weights_of(adapter, samples, **cfg):

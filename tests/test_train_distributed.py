@@ -73,6 +73,7 @@ def main() -> None:
 
     from models.registry import Adapter
     from models.sdar import SDARConfig, SDARForCausalLM
+    from tests.launched import leave
     from tests.test_train_views import fake_block_trajectory
     from train.accelerator import assert_world_size, build_accelerator
     from train.policy_trainer import PolicyTrainer
@@ -115,7 +116,7 @@ def main() -> None:
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(result))
         print(json.dumps(result))
-    accelerator.end_training()
+    leave(accelerator)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ if __name__ == "__main__":  # a ZeRO-3 value step on 2 processes; each rank writ
 
     from models.tiny import build_tiny
     from models.tokenizers import build_demo_tokenizer
+    from tests.launched import leave
     from tests.test_train_views import fake_block_trajectory
 
     tok = build_demo_tokenizer()
@@ -206,3 +207,4 @@ if __name__ == "__main__":  # a ZeRO-3 value step on 2 processes; each rank writ
         digest = hashlib.sha256(b"".join(p.detach().float().numpy().tobytes()
                                          for _, p in sorted(trainer.model.named_parameters()))).hexdigest()
     Path(f"{sys.argv[1]}.{acc.process_index}").write_text(f"{acc.num_processes} {digest}")
+    leave(acc)
