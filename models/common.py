@@ -212,10 +212,18 @@ def _split_pays(layout: AttentionLayout) -> bool:
     return layout._masks["split"]
 
 
-def _split_plan(layout: AttentionLayout) -> list[list[tuple[int, int, Tensor, Tensor]]]:
-    """Per row, pieces (q0, q1, visible key columns, mask of the piece over them) covering every query once."""
-    if "split_plan" in layout._masks:
-        return layout._masks["split_plan"]
+_Piece = tuple[int, int, Tensor, "Tensor | None"]  # q0, q1, visible key columns, additive mask over them
+
+
+def _split_plan(layout: AttentionLayout, dtype: torch.dtype = torch.float32) -> list[list[_Piece]]:
+    """Per row, pieces (q0, q1, visible key columns, additive mask of the piece over them) covering every query once.
+
+    The masks are additive (0 / -inf) in the attention's dtype: SDPA would convert a boolean mask into one in every
+    layer and keep each copy for the backward pass; one shared tensor per piece is kept once for all layers.
+    """
+    key = ("split_plan", dtype)
+    if key in layout._masks:
+        return layout._masks[key]
     mask = layout.dense_mask()[:, 0]
     copy = layout.copy.cpu()
     n = copy.shape[1]
@@ -229,16 +237,19 @@ def _split_plan(layout: AttentionLayout) -> list[list[tuple[int, int, Tensor, Te
             for q0 in range(start, end, step):
                 q1 = min(q0 + step, end)
                 keys = mask[row, q0:q1].any(0).nonzero().squeeze(1)
-                pieces.append((q0, q1, keys, mask[row, q0:q1].index_select(1, keys)[None, None]))
+                visible = mask[row, q0:q1].index_select(1, keys)
+                additive = None if bool(visible.all()) else torch.zeros(
+                    visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))[None, None]
+                pieces.append((q0, q1, keys, additive))
         plan.append(pieces)
-    layout._masks["split_plan"] = plan
+    layout._masks[key] = plan
     return plan
 
 
 def _split_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
     gqa = q.shape[1] != k.shape[1]
     rows = []
-    for row, pieces in enumerate(_split_plan(layout)):
+    for row, pieces in enumerate(_split_plan(layout, q.dtype)):
         qr, kr, vr = q[row:row + 1], k[row:row + 1], v[row:row + 1]
         parts = [F.scaled_dot_product_attention(qr[:, :, q0:q1], kr.index_select(2, keys), vr.index_select(2, keys),
                                                 attn_mask=piece_mask, enable_gqa=gqa)

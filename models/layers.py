@@ -1,8 +1,10 @@
-"""Layers shared by every architecture: RoPE, RMSNorm, head split / merge, the init of fresh models."""
+"""Layers shared by every architecture: RoPE, RMSNorm, the gated MLP product, head split / merge, the init of fresh
+models."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -36,10 +38,69 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)[0]
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(output, fp32 normalised x, fp32 1/rms): the forward, the same operations with or without autograd."""
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = x32 * inv_rms
+    return weight * normed.to(x.dtype), normed, inv_rms
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm that keeps only its input and 1/rms for the backward pass.
+
+    Autograd through the plain ops would also keep the fp32 normalised copy (and, in bf16, an fp32 copy of the
+    input): one hidden-sized tensor or more per norm, four norms per layer, for every token of a training row.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        out, _, inv_rms = _rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, inv_rms)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight, inv_rms = ctx.saved_tensors
+        normed = x.float() * inv_rms
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_out * normed.to(x.dtype)).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            g = (grad_out * weight).float()
+            grad_x = (inv_rms * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_w, None
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up, the gated MLP's product; under autograd it keeps only gate and up for the backward pass."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMulFn.apply(gate, up)
+    return F.silu(gate) * up
+
+
+class _SiluMulFn(torch.autograd.Function):
+    """Autograd through F.silu(gate) * up would also keep silu(gate): an intermediate-sized tensor per layer."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_gate = grad_out * up * sig * (1 + gate * (1 - sig)) if ctx.needs_input_grad[0] else None
+        grad_up = grad_out * silu if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
 
 
 def split_heads(x: Tensor, n_heads: int, head_dim: int) -> Tensor:

@@ -6,11 +6,10 @@ Parameter names match the public checkpoints: ``self_attn.{q,k,v,o}_proj``, ``se
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.common import AttentionLayout, KVCache, attend
-from models.layers import RMSNorm, apply_rope, merge_heads, split_heads
+from models.layers import RMSNorm, apply_rope, merge_heads, silu_mul, split_heads
 
 
 class QwenAttention(nn.Module):
@@ -52,7 +51,7 @@ class QwenMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class QwenDecoderLayer(nn.Module):

@@ -227,3 +227,45 @@ def test_kv_cache_reads_in_place_and_commits_without_copying(tiny):
         out = a.forward(ids[:, 12:], pos[:, 12:], AttentionLayout.block_causal(pos[:, 12:], 4), cache)
     full = a.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
     torch.testing.assert_close(out, full[:, 12:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_lean_rmsnorm_and_gated_product_match_autograd_of_the_formulas(dtype):
+    """RMSNorm and silu(gate) * up keep less for backward (their own autograd functions): outputs are the formulas'
+    bit for bit, and gradients equal autograd through the plain formulas (to fp32 / bf16 rounding)."""
+    import torch.nn.functional as F
+
+    from models.layers import RMSNorm, silu_mul
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 16, generator=g, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+    norm = RMSNorm(16, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=g, dtype=torch.float64))
+    w_out = torch.randn(3, 5, 16, generator=g, dtype=torch.float64).to(dtype)
+
+    def plain_norm(x, w):
+        x32 = x.float()
+        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    out = norm(x)
+    assert out.grad_fn is not None and "RMSNormFn" in type(out.grad_fn).__name__  # the lean path is the one taken
+    expected = plain_norm(x, norm.weight)
+    assert torch.equal(out, expected)
+    got = torch.autograd.grad((out * w_out).sum(), (x, norm.weight))
+    want = torch.autograd.grad((expected * w_out).sum(), (x, norm.weight))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    with torch.no_grad():
+        assert torch.equal(norm(x), expected)  # inference: the plain ops, no autograd function
+
+    gate = (torch.randn(4, 24, generator=g, dtype=torch.float64) * 4).to(dtype).requires_grad_()
+    up = torch.randn(4, 24, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    w2 = torch.randn(4, 24, generator=g, dtype=torch.float64).to(dtype)
+    prod, plain = silu_mul(gate, up), F.silu(gate) * up
+    assert "SiluMulFn" in type(prod.grad_fn).__name__ and torch.equal(prod, plain)
+    got = torch.autograd.grad((prod * w2).sum(), (gate, up))
+    want = torch.autograd.grad((plain * w2).sum(), (gate, up))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from models.base import BackboneMixin, LMHeadMixin, full_weights
 from models.common import attend
-from models.layers import RMSNorm, apply_rope, init_linear_normal, merge_heads, split_heads
+from models.layers import RMSNorm, apply_rope, init_linear_normal, merge_heads, silu_mul, split_heads
 from models.llada.configuration_llada import LLaDAConfig, MMadaConfig
 
 
@@ -42,7 +42,7 @@ class LLaDALlamaBlock(nn.Module):
         v = split_heads(self.v_proj(h), self.n_kv, self.head_dim)
         x = x + self.attn_out(merge_heads(attend(q, k, v, layout, cache, self.layer_idx, store_kv, backend)))
         h = self.ff_norm(x)
-        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        return x + self.ff_out(silu_mul(self.ff_proj(h), self.up_proj(h)))
 
 
 class LLaDAPreTrainedModel(PreTrainedModel):
