@@ -8,15 +8,17 @@ only). Workload: prompt L0, response L1, block b, ``steps_per_block`` steps per 
 token per step, so every block has that many rounds), a realistic vocabulary with a small hidden size so the LM
 head matters.
 
-Method: every configuration runs twice, each time in a fresh subprocess. Time run (default allocator): per-sample
-wall time of the measured samples after one warm-up sample; the fastest is reported, being the least disturbed
-on a shared machine. Memory run: one sample with glibc's ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor
-buffer is mmapped and returned to the OS when freed and the resident set follows live tensor memory (otherwise
-glibc's dynamic threshold keeps freed buffers on the heap and the peak depends on allocation history); peak memory
-per sample = peak resident set size (``ru_maxrss``) minus the resident size just before the sample, i.e. the
-extra memory the training pass needs on top of the model and its inputs (tracemalloc does not see torch's
-allocations). Rows are processed one per micro-batch (the reference's ``batch_size_lm: 1``), so a per-round
-sample is several forwards and a packed sample is one.
+Method: every configuration runs in fresh subprocesses: one memory run, and ``--rounds`` time runs interleaved
+with the other configurations'. Time run (default allocator): per-sample wall time of the measured samples after
+one warm-up sample; the fastest over samples and rounds is reported, being the least disturbed on a shared
+machine. Memory run: glibc's ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor buffer is mmapped and
+returned to the OS when freed and the resident set follows live tensor memory (otherwise glibc's dynamic threshold
+keeps freed buffers on the heap and the peak depends on allocation history); one warm-up sample (thread pools and
+kernel workspaces are allocated once, and would otherwise count), then the peak resident set is reset
+(``/proc/self/clear_refs``) and one measured sample runs: peak memory per sample = its peak resident set minus the
+resident size just before it, i.e. the extra memory the training pass needs on top of the model and its inputs
+(tracemalloc does not see torch's allocations). Rows are processed one per micro-batch (the reference's
+``batch_size_lm: 1``), so a per-round sample is several forwards and a packed sample is one.
 
     python -m bench.train            # defaults: L0=128, L1=512, b=4, 4 steps/block, vocab 151936
 """
@@ -29,7 +31,6 @@ import math
 import os
 import platform
 import random
-import resource
 import subprocess
 import sys
 import time
@@ -38,7 +39,8 @@ import torch
 
 # (layout, logits, attention): dense = one masked [N, N] attention per row (the reference's way), split = ours on
 # CPU (each piece of the row attends only to the keys it may see, models/common.py). The first is the baseline.
-# budget = packed rows of at most --row-budget tokens (training.max_row_tokens; default: 2 per-round rows).
+# budget = packed rows of at most --row-budget tokens (training.max_row_tokens; default: the clean sequence + 2
+# noisy copies, so a sample's rounds go two by two: the smallest packing that shares the clean part).
 CONFIGS = (("per_round", "full", "dense"), ("per_round", "gathered", "dense"), ("packed", "gathered", "dense"),
            ("per_round", "full", "split"), ("per_round", "gathered", "split"), ("packed", "full", "split"),
            ("packed", "gathered", "split"), ("budget", "gathered", "split"))
@@ -60,6 +62,17 @@ def hardware_line() -> str:
 def _rss_kib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's peak resident set (VmHWM) of this process to its current size (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_kib() -> float:
+    with open("/proc/self/status") as f:
+        return float(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
 
 
 def build_model(args: argparse.Namespace):
@@ -108,7 +121,7 @@ def run_one(args: argparse.Namespace) -> dict:
     ids = ModelTraits(mask_id=args.vocab - 1, pad_id=0, attention="block", block_size=args.block)
     n = args.samples + 1
     trajs = trajectories(args, n)
-    budget = args.row_budget or 2 * (args.l0 + 2 * args.l1)  # about two per-round rows
+    budget = args.row_budget or args.l0 + 3 * args.l1  # the clean sequence + 2 noisy copies
     view = ViewConfig(layout="packed", max_row_tokens=budget) if args.layout == "budget" else ViewConfig(
         layout=args.layout)
     batches = [build_view([t], {t.sample_id: 1.0}, view, ids) for t in trajs]
@@ -125,10 +138,15 @@ def run_one(args: argparse.Namespace) -> dict:
             policy_loss(logp, mb.old_logprobs, mb.advantages, mb.weights, loss_cfg).loss.backward()
             del hidden, logp
 
-    base = _rss_kib()
-    one_sample(micro[0])  # warm-up; in the memory run its peak is the measurement (same workload)
+    one_sample(micro[0])  # warm-up
+    peak = math.nan
     if args.measure == "memory":
         elapsed = math.nan
+        model.zero_grad(set_to_none=False)  # gradients exist from the warm-up on: not part of the pass's peak
+        base = _rss_kib()
+        _reset_peak_rss()
+        one_sample(micro[1])
+        peak = _peak_rss_kib() - base
     else:
         times = []
         for rows in micro[1:]:
@@ -136,7 +154,6 @@ def run_one(args: argparse.Namespace) -> dict:
             one_sample(rows)
             times.append(time.perf_counter() - start)
         elapsed = min(times)  # the least disturbed sample: the machine may be shared
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
     b = batches[1]
     logit_rows = b.num_input_tokens if args.logits == "full" else b.num_tokens
     return {"layout": args.layout, "logits": args.logits, "attention": args.attention, "rows": b.num_rows,
@@ -165,7 +182,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--samples", type=int, default=3, help="measured samples per configuration")
+    p.add_argument("--samples", type=int, default=5, help="measured samples per configuration and round (time)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved time rounds (fresh processes)")
     p.add_argument("--chunk", type=int, default=128, help="logits_chunk_size of the gathered log-probs")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--layout", choices=("per_round", "packed", "budget"), help=argparse.SUPPRESS)
@@ -184,10 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     print(hardware_line())
     print(f"workload: L0={args.l0} L1={args.l1} block={args.block} steps/block={args.steps_per_block} "
           f"vocab={args.vocab} hidden={args.hidden} layers={args.layers}, fp32, forward+backward, "
-          f"time = fastest of {args.samples} samples after 1 warm-up, one row per micro-batch")
-    rows = {}
-    for config in CONFIGS:
-        rows[config] = r = {**_child(argv, *config, "memory"), **_child(argv, *config, "time")}
+          f"time = fastest of {args.samples} samples x {args.rounds} interleaved rounds after 1 warm-up each, one row "
+          f"per micro-batch")
+    rows = {config: _child(argv, *config, "memory") for config in CONFIGS}  # deterministic: one run each
+    for _ in range(args.rounds):  # every configuration once per round: load bursts hit all of them alike
+        for config in CONFIGS:
+            seconds = _child(argv, *config, "time")["seconds"]
+            rows[config]["seconds"] = min(seconds, rows[config].get("seconds", seconds))
+    for config, r in rows.items():
         print(f"{config[0]:>9} + {config[1]:<8} + {config[2]:<5}: rows/sample {r['rows']}, input tokens "
               f"{r['input_tokens']}, trained tokens {r['trained_tokens']}, LM-head rows {r['logit_rows']}, "
               f"{r['seconds']:.2f} s/sample, peak +{r['peak_mib']:.0f} MiB/sample")

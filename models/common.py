@@ -190,8 +190,21 @@ def attend(
         return out.transpose(1, 2)
     if cache is None and not q.is_cuda and _split_pays(layout):
         return _split_attention(q, k, v, layout)
-    mask = layout_mask(layout, cache if past_k is not None else None)
+    mask = additive_mask(layout, cache if past_k is not None else None, q.dtype)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def additive_mask(layout: AttentionLayout, cache: KVCache | None, dtype: torch.dtype) -> Tensor:
+    """``layout_mask`` as 0 / -inf in the attention's dtype, built once per forward for all layers.
+
+    SDPA turns a boolean mask into exactly this in every layer, and under autograd keeps each layer's copy for
+    the backward pass (one [B, 1, N, N] tensor per layer); one shared tensor is kept once.
+    """
+    key = ("additive", cache.length if cache is not None and cache.valid is not None else None, dtype)
+    if key not in layout._masks:
+        mask = layout_mask(layout, cache)
+        layout._masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return layout._masks[key]
 
 
 # Split attention (CPU, no cache): a TraceRL row [clean sequence | noisy copy 1 | copy 2 | ...] lets each query see a

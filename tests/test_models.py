@@ -269,3 +269,29 @@ def test_memory_lean_rmsnorm_and_gated_product_match_autograd_of_the_formulas(dt
     want = torch.autograd.grad((plain * w2).sum(), (gate, up))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("model_base", FAMILY_BASES)
+def test_training_forward_keeps_one_attention_mask_for_all_layers(tiny, model_base):
+    """Dense masked attention under autograd keeps ONE additive [B, 1, N, N] mask for the backward pass (built once
+    per forward), not a converted copy per layer; SDPA gives the same result with it as with the boolean mask."""
+    import torch.nn.functional as F
+
+    a = tiny(model_base)
+    ids, pos = _block_inputs(12)
+    layout = AttentionLayout.block_causal(pos, 4)
+    shapes = []
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[-2:] == (12, 12) and t.dtype.is_floating_point:
+            shapes.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        a.forward(ids, pos, layout)
+    assert len(shapes) >= 2 and len(set(shapes)) == 1  # saved by every layer (>= 2), one tensor
+    mask = layout.dense_mask()
+    additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    q = torch.randn(1, 2, 12, 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, attn_mask=mask),
+                               F.scaled_dot_product_attention(q, q, q, attn_mask=additive), atol=0, rtol=0)

@@ -402,6 +402,33 @@ def test_split_attention_equals_the_dense_masked_attention(layout):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_split_attention_keeps_each_piece_mask_once_for_all_layers(tiny):
+    """Under autograd, the split path's piece masks (additive, built once per layout) are kept for the backward
+    pass once, not once per layer as SDPA's own boolean-to-float conversion would."""
+    from models import common
+
+    a = tiny("sdar", block_size=4)
+    rng = random.Random(3)
+    traj = fake_block_trajectory(rng, "s0", 40, 300, 4, 4, 90, MASK)
+    batch = build_view([traj], {"s0": 1.0}, ViewConfig(layout="packed", seed=0),
+                       ModelTraits(mask_id=MASK, pad_id=PAD, attention="block", block_size=4))
+    assert common._split_pays(batch.layout)
+    saved = []
+    head_dim = a.model.config.head_dim
+
+    def pack(t):  # [1, 1, queries, keys] float tensors (RoPE's [1, 1, N, head_dim] cos / sin left out)
+        if t.dim() == 4 and t.shape[:2] == (1, 1) and t.dtype.is_floating_point and t.shape[-1] != head_dim:
+            saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        a.model.model(batch.input_ids, position_ids=batch.position_ids, layout=batch.layout)
+    masks = {id(p[3]) for row in common._split_plan(batch.layout) for p in row if p[3] is not None}
+    layers = a.model.config.num_hidden_layers
+    assert layers >= 2 and len(masks) >= 2
+    assert len(set(saved)) == len(masks) and len(saved) == layers * len(masks)
+
+
 @pytest.mark.parametrize("budget", [1, 300, 450])
 def test_packed_rows_under_a_token_budget_hold_the_same_trained_tokens(budget):
     """max_row_tokens spreads a sample's rounds over several packed rows; every row fits the budget (or holds one
