@@ -32,7 +32,8 @@ class ViewConfig(Seeded):
     method: str = "tracerl"
     layout: Literal["packed", "per_round"] = "packed"  # block models only; full attention: one row per unit
     # packed rows hold at most this many tokens: a sample's rounds are spread over several packed rows (at least one
-    # round each), which bounds the activation memory of a row; null = one row per sample
+    # round each), which bounds the activation memory of a row; null = one row per sample. About prompt + 3 x
+    # response puts rounds two by two: fewer tokens than per-round rows and a lower peak memory (bench/train.py)
     max_row_tokens: int | None = bounded(None, 1)
     shrink: int = bounded(1, 1)  # merge groups of `shrink` consecutive step ids into one round
     post_num: int = bounded(0, 0)  # trained pad tokens per response besides the stop token
