@@ -9,24 +9,24 @@ from torch import Tensor, nn
 
 
 def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin [B, 1, N, D] for rotate-half RoPE, computed in fp32 from explicit positions.
+    """cos and signed sin [B, 1, N, D] for rotate-half RoPE, computed in fp32 from explicit positions.
 
-    Frequencies are computed on the fly (no buffer), so nothing can be left uninitialised by ``from_pretrained``.
+    The sin's first half is negated once here, so ``apply_rope`` rotates with one ``roll`` instead of slicing,
+    negating and concatenating in every layer (bit for bit the same products). Frequencies are computed on the
+    fly (no buffer), so nothing can be left uninitialised by ``from_pretrained``.
     """
     exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     freqs = position_ids.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    sin = emb.sin()
+    sin[..., : head_dim // 2].neg_()
+    return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + rotate_half(x) * sin
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1]: the negation lives in ``signed_sin``."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class RMSNorm(nn.Module):

@@ -295,3 +295,25 @@ def test_training_forward_keeps_one_attention_mask_for_all_layers(tiny, model_ba
     q = torch.randn(1, 2, 12, 4, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, attn_mask=mask),
                                F.scaled_dot_product_attention(q, q, q, attn_mask=additive), atol=0, rtol=0)
+
+
+def test_rope_rotates_each_half_pair_by_position_times_frequency():
+    """RoPE (rotate-half convention of Qwen / LLaDA): the pair (x[i], x[i + D/2]) at position p is rotated by the
+    angle p * theta^(-2i/D); checked against that definition in float64, and bit for bit against the textbook
+    x * cos + cat(-x2, x1) * sin with the unsigned sin."""
+    from models.layers import apply_rope, rope_cos_sin
+
+    g = torch.Generator().manual_seed(0)
+    d, theta = 8, 10000.0
+    pos = torch.tensor([[0, 1, 5, 37, 1000]])
+    x = torch.randn(1, 3, 5, d, generator=g)
+    cos, signed_sin = rope_cos_sin(pos, d, theta, torch.float32)
+    out = apply_rope(x, cos, signed_sin)
+    angle = pos[0, :, None].double() * theta ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)  # [5, D/2]
+    x1, x2 = x[..., : d // 2].double(), x[..., d // 2:].double()
+    expected = torch.cat([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], -1)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    sin = signed_sin.clone()
+    sin[..., : d // 2] *= -1
+    textbook = x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+    assert torch.equal(out, textbook)
