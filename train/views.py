@@ -400,11 +400,9 @@ def _block_rows(s: _Sample, si: int, cfg: ViewConfig, ids: ModelTraits, gen: tor
         return []
     # clean context a unit needs: every block before the last block it copies (positions are absolute)
     clean_len = [int(g.block[units.in_copy[u]].max()) * b for u in range(n_units)]
-    if cfg.layout == "per_round":  # one row per unit, copy index 1
-        return [_assemble(s, si, clean_ids[:clean_len[u]], b, [_copy_segment(g, units, u, ids.mask_id, 1)], [u],
-                          units) for u in range(n_units)]
+    budget = 1 if cfg.layout == "per_round" else cfg.max_row_tokens  # per-round: one unit per row, copy index 1
     rows = []
-    for group in _pack_units(clean_len, units.in_copy.sum(1).tolist(), cfg.max_row_tokens):
+    for group in _pack_units(clean_len, units.in_copy.sum(1).tolist(), budget):
         copies = [_copy_segment(g, units, u, ids.mask_id, j + 1) for j, u in enumerate(group)]  # copy index j + 1
         rows.append(_assemble(s, si, clean_ids[:max(clean_len[u] for u in group)], b, copies, group, units))
     return rows
