@@ -43,12 +43,11 @@ class RMSNorm(nn.Module):
         return _rms_norm(x, self.weight, self.eps)[0]
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(output, fp32 normalised x, fp32 1/rms): the forward, the same operations with or without autograd."""
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(output, fp32 1/rms): the forward, the same operations with or without autograd."""
     x32 = x.float()
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    normed = x32 * inv_rms
-    return weight * normed.to(x.dtype), normed, inv_rms
+    return weight * (x32 * inv_rms).to(x.dtype), inv_rms
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -60,7 +59,7 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out, _, inv_rms = _rms_norm(x, weight, eps)
+        out, inv_rms = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, inv_rms)
         return out
 
