@@ -95,10 +95,10 @@ class _SiluMulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_gate = grad_out * up * sig * (1 + gate * (1 - sig)) if ctx.needs_input_grad[0] else None
-        grad_up = grad_out * silu if ctx.needs_input_grad[1] else None
+        g, u, grad = gate.float(), up.float(), grad_out.float()  # in fp32, as torch's own silu backward
+        sig = torch.sigmoid(g)
+        grad_gate = (grad * u * sig * (1 + g * (1 - sig))).to(gate.dtype) if ctx.needs_input_grad[0] else None
+        grad_up = (grad * g * sig).to(up.dtype) if ctx.needs_input_grad[1] else None
         return grad_gate, grad_up
 
 
