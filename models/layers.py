@@ -1,7 +1,10 @@
-"""Layers shared by every architecture: RoPE, RMSNorm, the gated MLP product, head split / merge, the init of fresh
-models."""
+"""Layers shared by every architecture: RoPE, RMSNorm, the gated MLP product, head split / merge, grouped linear
+projections (packed for CPU inference), the init of fresh models."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +113,76 @@ def split_heads(x: Tensor, n_heads: int, head_dim: int) -> Tensor:
 def merge_heads(x: Tensor) -> Tensor:
     b, h, n, d = x.shape
     return x.transpose(1, 2).reshape(b, n, h * d)
+
+
+class Projections:
+    """Mixin for modules whose forward applies groups of ``nn.Linear`` children to one input (q/k/v, gate/up).
+
+    ``projection_groups`` maps a group name to its children's names, in output order. ``project`` runs a group
+    as those modules (their parameters and hooks as loaded: training, GPU, ZeRO-3) or, inside
+    ``packed_projections`` and without autograd, as one pre-packed product over the concatenated weights.
+    Parameter names, and so checkpoints, are the same either way.
+    """
+
+    projection_groups: dict[str, tuple[str, ...]] = {}
+
+    def project(self, group: str, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        packed = self.__dict__.get("_packed")
+        if packed is not None and not torch.is_grad_enabled():
+            return packed[group](x)
+        out = tuple(getattr(self, name)(x) for name in self.projection_groups[group])
+        return out if len(out) > 1 else out[0]
+
+
+class PackedLinear:
+    """One product ``x @ cat(weights).T + cat(biases)`` over several ``nn.Linear``, split back per layer.
+
+    The concatenated weight is reordered once into oneDNN's blocked layout. MKL's sgemm packs the weight again on
+    every call, which dominates at decode shapes (a few tokens per row, weights streamed from L3): measured on a
+    2-core AMD EPYC, [4, 256] x [256, 768] 112 us with MKL vs 35 us pre-packed. Results agree with MKL's to
+    float32 rounding (a different summation order), not bit for bit.
+    """
+
+    BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
+
+    def __init__(self, linears: Sequence[nn.Linear]):
+        self.sizes = [m.out_features for m in linears]
+        weight = torch.cat([m.weight.detach() for m in linears])
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        biases = [m.bias for m in linears]
+        self.bias = None if all(b is None for b in biases) else torch.cat([
+            b.detach() if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, linears)])
+
+    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return y.split(self.sizes, -1) if len(self.sizes) > 1 else y
+
+
+def packing_applies(model: nn.Module) -> bool:
+    """Pre-packed products pay (and are available) for whole fp32 weights on CPU with oneDNN."""
+    params = list(model.parameters())
+    return (bool(params) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and all(p.device.type == "cpu" and p.dtype == torch.float32 and not hasattr(p, "ds_id")
+                    for p in params))
+
+
+@contextlib.contextmanager
+def packed_projections(model: nn.Module) -> Iterator[None]:
+    """Within: every ``Projections`` module of ``model`` runs its groups pre-packed where ``packing_applies``.
+
+    For sampling only: the packed copies are taken on entry (later weight updates are not seen) and carry no
+    gradient, so ``project`` ignores them whenever autograd is on. Costs one copy of the packed weights.
+    """
+    modules = [m for m in model.modules() if isinstance(m, Projections)] if packing_applies(model) else []
+    for module in modules:
+        module._packed = {group: PackedLinear([getattr(module, name) for name in names])
+                          for group, names in module.projection_groups.items()}
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.__dict__.pop("_packed", None)
 
 
 def init_linear_normal(module: nn.Module, std: float) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from models.common import AttentionLayout, KVCache, attend
-from models.layers import RMSNorm, apply_rope, merge_heads, silu_mul, split_heads
+from models.layers import Projections, RMSNorm, apply_rope, merge_heads, silu_mul, split_heads
 
 
-class QwenAttention(nn.Module):
+class QwenAttention(Projections, nn.Module):
+    projection_groups = {"qkv": ("q_proj", "k_proj", "v_proj"), "out": ("o_proj",)}
+
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.layer_idx = layer_idx
@@ -32,17 +34,19 @@ class QwenAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: AttentionLayout, cache: KVCache | None,
                 store_kv: bool, backend: str) -> Tensor:
-        q = split_heads(self.q_proj(x), self.n_heads, self.head_dim)
-        k = split_heads(self.k_proj(x), self.n_kv, self.head_dim)
-        v = split_heads(self.v_proj(x), self.n_kv, self.head_dim)
+        q, k, v = self.project("qkv", x)
+        q = split_heads(q, self.n_heads, self.head_dim)
+        k, v = split_heads(k, self.n_kv, self.head_dim), split_heads(v, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, layout, cache, self.layer_idx, store_kv, backend)
-        return self.o_proj(merge_heads(out))
+        return self.project("out", merge_heads(out))
 
 
-class QwenMLP(nn.Module):
+class QwenMLP(Projections, nn.Module):
+    projection_groups = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
     def __init__(self, config):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
@@ -51,7 +55,7 @@ class QwenMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.project("down", silu_mul(*self.project("gate_up", x)))
 
 
 class QwenDecoderLayer(nn.Module):
@@ -102,9 +106,10 @@ class QwenBackboneMixin:
         self.embed_tokens = value
 
 
-class QwenLMHeadMixin:
+class QwenLMHeadMixin(Projections):
     """``model`` (the backbone) + an untied-by-default ``lm_head``; combine with ``models.base.LMHeadMixin``."""
 
+    projection_groups = {"logits": ("lm_head",)}
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # used only when tie_word_embeddings
 
     def build_head(self, config, backbone_cls: type) -> None:
@@ -114,7 +119,7 @@ class QwenLMHeadMixin:
     backbone = property(lambda self: self.model)
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden)
+        return self.project("logits", hidden)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from models.layers import packed_projections
 from sample.block_sampler import BlockSampler
 from sample.engine import RolloutStats, run_engine
 from sample.full_sampler import FullSampler
@@ -59,7 +60,7 @@ def generate(adapter: Any, prompts: Sequence[Prompt] | str, params: SamplingPara
     was_training = adapter.model.training
     adapter.model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), packed_projections(adapter.model):
             trajectories = run_engine(sampler, ids, params.max_active, adapter.tokenizer, on_finish)
     finally:
         adapter.model.train(was_training)

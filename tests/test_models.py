@@ -317,3 +317,63 @@ def test_rope_rotates_each_half_pair_by_position_times_frequency():
     sin[..., : d // 2] *= -1
     textbook = x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
     assert torch.equal(out, textbook)
+
+
+@pytest.mark.parametrize("model_base", FAMILY_BASES)
+def test_packed_projections_match_the_modules_and_change_no_parameter(tiny, model_base):
+    """Inside ``packed_projections`` (CPU fp32, no autograd) each q/k/v, gate/up, output and head group is one
+    pre-packed product: logits agree with the modules' to float32 rounding. The packed copies are taken on entry,
+    so an in-place weight change inside is seen only where autograd is on (the modules run); parameters and
+    state_dict keys are untouched and nothing is left on the modules after exit, even on an exception."""
+    from models.layers import Projections, packed_projections, packing_applies
+
+    a = tiny(model_base)
+    assert packing_applies(a.model)  # oneDNN ships with every CPU build of torch
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(3))
+    keys = set(a.model.state_dict())
+    groups = [m for m in a.model.modules() if isinstance(m, Projections)]
+    assert sum(len(m.projection_groups) for m in groups) >= 4 * a.model.config.num_hidden_layers
+    with torch.no_grad():
+        ref = a.model(ids).logits
+        with packed_projections(a.model):
+            assert all(set(m._packed) == set(m.projection_groups) for m in groups)
+            torch.testing.assert_close(a.model(ids).logits, ref, atol=2e-5, rtol=1e-5)
+            assert set(a.model.state_dict()) == keys
+            first = next(m for m in groups if "qkv" in m.projection_groups)
+            first.q_proj.weight.zero_()
+            torch.testing.assert_close(a.model(ids).logits, ref, atol=2e-5, rtol=1e-5)  # the copy taken on entry
+            with torch.enable_grad():
+                assert (a.model(ids).logits - ref).abs().max() > 1e-3  # autograd: the modules, as they are now
+        changed = a.model(ids).logits
+    assert all("_packed" not in m.__dict__ for m in groups)
+    with pytest.raises(RuntimeError), packed_projections(a.model):
+        raise RuntimeError("boom")
+    assert all("_packed" not in m.__dict__ for m in groups)
+    with torch.no_grad():
+        torch.testing.assert_close(a.model(ids).logits, changed, atol=0, rtol=0)
+
+
+def test_packing_applies_only_to_whole_fp32_cpu_weights(tiny):
+    from models.layers import packing_applies
+
+    a = tiny("sdar")
+    assert packing_applies(a.model)
+    next(a.model.parameters()).ds_id = 0  # a ZeRO-3 partition: whole only inside a gather, so never packed
+    assert not packing_applies(a.model)
+    assert not packing_applies(tiny("dream").model.to(torch.bfloat16))
+
+
+def test_sampling_runs_the_packed_products(tiny, monkeypatch):
+    from models.layers import PackedLinear
+    from sample.generate import generate
+    from sample.params import SamplingParams
+
+    calls = []
+    real = PackedLinear.__call__
+    monkeypatch.setattr(PackedLinear, "__call__", lambda self, x: calls.append(x.shape) or real(self, x))
+    a = tiny("sdar", block_size=4)
+    out = generate(a, [[5, 6, 7]], SamplingParams(max_tokens=8, block_size=4, denoising_steps=2, seed=0,
+                                                  ignore_eos=True), progress=False)
+    assert len(out[0].response_ids) == 8
+    # qkv, out, gate_up, down in every layer of every forward; the head once per denoising forward
+    assert len(calls) == 4 * a.model.config.num_hidden_layers * out.stats.forwards + out.stats.denoise_forwards

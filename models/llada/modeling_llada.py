@@ -14,11 +14,14 @@ from transformers import PreTrainedModel
 
 from models.base import BackboneMixin, LMHeadMixin, full_weights
 from models.common import attend
-from models.layers import RMSNorm, apply_rope, init_linear_normal, merge_heads, silu_mul, split_heads
+from models.layers import Projections, RMSNorm, apply_rope, init_linear_normal, merge_heads, silu_mul, split_heads
 from models.llada.configuration_llada import LLaDAConfig, MMadaConfig
 
 
-class LLaDALlamaBlock(nn.Module):
+class LLaDALlamaBlock(Projections, nn.Module):
+    projection_groups = {"qkv": ("q_proj", "k_proj", "v_proj"), "attn_out": ("attn_out",),
+                         "ff_up": ("ff_proj", "up_proj"), "ff_out": ("ff_out",)}
+
     def __init__(self, config: LLaDAConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -36,13 +39,12 @@ class LLaDALlamaBlock(nn.Module):
         self.ff_out = nn.Linear(config.mlp_hidden_size, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout, cache, store_kv: bool, backend: str) -> Tensor:
-        h = self.attn_norm(x)
-        q = apply_rope(split_heads(self.q_proj(h), self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(split_heads(self.k_proj(h), self.n_kv, self.head_dim), cos, sin)
-        v = split_heads(self.v_proj(h), self.n_kv, self.head_dim)
-        x = x + self.attn_out(merge_heads(attend(q, k, v, layout, cache, self.layer_idx, store_kv, backend)))
-        h = self.ff_norm(x)
-        return x + self.ff_out(silu_mul(self.ff_proj(h), self.up_proj(h)))
+        q, k, v = self.project("qkv", self.attn_norm(x))
+        q = apply_rope(split_heads(q, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(split_heads(k, self.n_kv, self.head_dim), cos, sin)
+        v = split_heads(v, self.n_kv, self.head_dim)
+        x = x + self.project("attn_out", merge_heads(attend(q, k, v, layout, cache, self.layer_idx, store_kv, backend)))
+        return x + self.project("ff_out", silu_mul(*self.project("ff_up", self.ff_norm(x))))
 
 
 class LLaDAPreTrainedModel(PreTrainedModel):
