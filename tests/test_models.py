@@ -377,3 +377,44 @@ def test_sampling_runs_the_packed_products(tiny, monkeypatch):
     assert len(out[0].response_ids) == 8
     # qkv, out, gate_up, down in every layer of every forward; the head once per denoising forward
     assert len(calls) == 4 * a.model.config.num_hidden_layers * out.stats.forwards + out.stats.denoise_forwards
+
+
+def test_grouped_query_attention_equals_sdpa_with_gqa():
+    """Decode attention on CPU folds the query heads sharing a K/V head into the query axis: the same result as
+    SDPA's ``enable_gqa`` (to float32 rounding; on CPU it is bit-identical) for any visibility pattern, with the
+    layout's mask repeated per head group."""
+    import torch.nn.functional as F
+
+    from models.common import _grouped_query_attention
+
+    g = torch.Generator().manual_seed(0)
+    for b, heads, kv, n, keys in ((3, 8, 2, 4, 21), (1, 6, 3, 8, 40), (2, 4, 1, 1, 9)):
+        q, k, v = (torch.randn(b, h, t, 16, generator=g) for h, t in ((heads, n), (kv, keys), (kv, keys)))
+        visible = torch.rand(b, 1, n, keys, generator=g) < 0.6
+        visible[..., -1] = True  # every query sees at least one key
+        mask = torch.zeros(b, 1, n, keys).masked_fill_(~visible, float("-inf"))
+        grouped_mask = mask[:, :, None].expand(b, 1, heads // kv, n, keys).reshape(b, 1, heads // kv * n, keys)
+        torch.testing.assert_close(_grouped_query_attention(q, k, v, grouped_mask),
+                                   F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                                   atol=1e-6, rtol=1e-6)
+
+
+def test_cached_forward_builds_one_grouped_mask_for_all_layers(tiny, monkeypatch):
+    import models.common as common
+
+    a = tiny("sdar", block_size=4)
+    assert a.model.config.num_attention_heads > a.model.config.num_key_value_heads  # GQA
+    masks = []
+    real = common._grouped_query_attention
+    monkeypatch.setattr(common, "_grouped_query_attention", lambda q, k, v, m: masks.append(m) or real(q, k, v, m))
+    ids, pos = _block_inputs(8)
+    cache = a.new_cache()
+    with torch.no_grad():
+        a.hidden(ids[:, :4], pos[:, :4], AttentionLayout.block_causal(pos[:, :4], 4), cache, store_kv=True)
+        assert masks == []  # nothing cached yet: plain SDPA
+        out = a.forward(ids[:, 4:], pos[:, 4:], AttentionLayout.block_causal(pos[:, 4:], 4), cache)
+    groups = a.model.config.num_attention_heads // a.model.config.num_key_value_heads
+    assert len(masks) == a.model.config.num_hidden_layers and all(m is masks[0] for m in masks)
+    assert masks[0].shape == (1, 1, groups * 4, 8)
+    full = a.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
+    torch.testing.assert_close(out, full[:, 4:], atol=1e-5, rtol=1e-5)
