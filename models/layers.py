@@ -159,12 +159,25 @@ class PackedLinear:
 
 
 def packing_applies(model: nn.Module) -> bool:
-    """Pre-packed products pay (and are available) for whole fp32 weights on CPU with oneDNN."""
+    """Pre-packed products pay (and are available) for whole fp32 weights on CPU with oneDNN, and are taken
+    only while their copy fits in a quarter of the memory the system has available (a real-size model sampled
+    on a small machine must not run out of memory for a speed-up)."""
     params = list(model.parameters())
-    return (bool(params) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    if not (params and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and all(p.device.type == "cpu" and p.dtype == torch.float32 and not hasattr(p, "ds_id")
-                    for p in params))
+                    for p in params)):
+        return False
+    available = _available_memory_bytes()
+    return available is None or 4 * sum(p.numel() * p.element_size() for p in params) <= available
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None  # not Linux: no way to judge, pack
 
 
 @contextlib.contextmanager

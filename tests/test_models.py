@@ -353,7 +353,7 @@ def test_packed_projections_match_the_modules_and_change_no_parameter(tiny, mode
         torch.testing.assert_close(a.model(ids).logits, changed, atol=0, rtol=0)
 
 
-def test_packing_applies_only_to_whole_fp32_cpu_weights(tiny):
+def test_packing_applies_only_to_whole_fp32_cpu_weights_that_fit_in_memory(tiny, monkeypatch):
     from models.layers import packing_applies
 
     a = tiny("sdar")
@@ -361,6 +361,12 @@ def test_packing_applies_only_to_whole_fp32_cpu_weights(tiny):
     next(a.model.parameters()).ds_id = 0  # a ZeRO-3 partition: whole only inside a gather, so never packed
     assert not packing_applies(a.model)
     assert not packing_applies(tiny("dream").model.to(torch.bfloat16))
+    b = tiny("llada")
+    params = sum(p.numel() * 4 for p in b.model.parameters())
+    monkeypatch.setattr("models.layers._available_memory_bytes", lambda: 4 * params - 1)  # the copy must fit 4x
+    assert not packing_applies(b.model)
+    monkeypatch.setattr("models.layers._available_memory_bytes", lambda: 4 * params)
+    assert packing_applies(b.model)
 
 
 def test_sampling_runs_the_packed_products(tiny, monkeypatch):
