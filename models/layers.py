@@ -127,9 +127,9 @@ class Projections:
     projection_groups: dict[str, tuple[str, ...]] = {}
 
     def project(self, group: str, x: Tensor) -> Tensor | tuple[Tensor, ...]:
-        packed = self.__dict__.get("_packed")
+        packed = self.__dict__.get("_packed", {}).get(group)
         if packed is not None and not torch.is_grad_enabled():
-            return packed[group](x)
+            return packed(x)
         out = tuple(getattr(self, name)(x) for name in self.projection_groups[group])
         return out if len(out) > 1 else out[0]
 
@@ -189,8 +189,9 @@ def packed_projections(model: nn.Module) -> Iterator[None]:
     """
     modules = [m for m in model.modules() if isinstance(m, Projections)] if packing_applies(model) else []
     for module in modules:
-        module._packed = {group: PackedLinear([getattr(module, name) for name in names])
-                          for group, names in module.projection_groups.items()}
+        groups = {group: [getattr(module, name) for name in names] for group, names in module.projection_groups.items()}
+        module._packed = {group: PackedLinear(linears) for group, linears in groups.items()
+                          if all(type(m) is nn.Linear for m in linears)}  # a wrapped layer (adapters) runs as is
     try:
         yield
     finally:
