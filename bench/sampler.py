@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -141,12 +142,15 @@ def compare_with_baseline(args: argparse.Namespace, argv: list[str]) -> None:
     for _ in range(args.rounds):  # interleaved, so machine noise hits both sides alike
         rounds.append((measure_at(args.baseline, argv), measure_core(args)))
     print(f"\nours vs commit {args.baseline} ({args.rounds} interleaved rounds; tokens/s best of rounds; "
-          f"batch 1 = {args.loop_prompts} prompts one at a time)")
-    print(f"{'variant':<26}{'base tok/s':>12}{'ours tok/s':>12}{'ratio':>8}{'base fwd/tok':>14}{'ours fwd/tok':>14}")
+          f"batch 1 = {args.loop_prompts} prompts one at a time; paired = the median over rounds of ours / base "
+          f"measured side by side, the steadier figure on a machine whose load comes and goes)")
+    print(f"{'variant':<26}{'base tok/s':>12}{'ours tok/s':>12}{'ratio':>8}{'paired':>8}{'base fwd/tok':>14}"
+          f"{'ours fwd/tok':>14}")
     for key in rounds[0][0]:
         base = max(r[0][key][0] for r in rounds)
         ours = max(r[1][key][0] for r in rounds)
-        print(f"{key:<26}{base:>12.1f}{ours:>12.1f}{ours / base:>7.2f}x{rounds[0][0][key][1]:>14.3f}"
+        paired = statistics.median(r[1][key][0] / r[0][key][0] for r in rounds)
+        print(f"{key:<26}{base:>12.1f}{ours:>12.1f}{ours / base:>7.2f}x{paired:>7.2f}x{rounds[0][0][key][1]:>14.3f}"
               f"{rounds[0][1][key][1]:>14.3f}")
 
 
