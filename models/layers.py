@@ -159,9 +159,9 @@ class PackedLinear:
 
 
 def packing_applies(model: nn.Module) -> bool:
-    """Pre-packed products pay (and are available) for whole fp32 weights on CPU with oneDNN, and are taken
-    only while their copy fits in a quarter of the memory the system has available (a real-size model sampled
-    on a small machine must not run out of memory for a speed-up)."""
+    """Pre-packed products pay (and are available) for whole fp32 weights on CPU with oneDNN; they are taken
+    only while a copy of the model's weights fits in a quarter of the memory the system has available (a
+    real-size model sampled on a small machine must not run out of memory for a speed-up)."""
     params = list(model.parameters())
     if not (params and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and all(p.device.type == "cpu" and p.dtype == torch.float32 and not hasattr(p, "ds_id")
