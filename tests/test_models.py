@@ -319,6 +319,10 @@ def test_rope_rotates_each_half_pair_by_position_times_frequency():
     assert torch.equal(out, textbook)
 
 
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
+
+
+@needs_onednn
 @pytest.mark.parametrize("model_base", FAMILY_BASES)
 def test_packed_projections_match_the_modules_and_change_no_parameter(tiny, model_base):
     """Inside ``packed_projections`` (CPU fp32, no autograd) each q/k/v, gate/up, output and head group is one
@@ -328,7 +332,7 @@ def test_packed_projections_match_the_modules_and_change_no_parameter(tiny, mode
     from models.layers import Projections, packed_projections, packing_applies
 
     a = tiny(model_base)
-    assert packing_applies(a.model)  # oneDNN ships with every CPU build of torch
+    assert packing_applies(a.model)
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(3))
     keys = set(a.model.state_dict())
     groups = [m for m in a.model.modules() if isinstance(m, Projections)]
@@ -360,6 +364,7 @@ def test_packed_projections_match_the_modules_and_change_no_parameter(tiny, mode
         torch.testing.assert_close(a.model(ids).logits, changed, atol=0, rtol=0)
 
 
+@needs_onednn
 def test_packing_applies_only_to_whole_fp32_cpu_weights_that_fit_in_memory(tiny, monkeypatch):
     from models.layers import packing_applies
 
@@ -376,6 +381,7 @@ def test_packing_applies_only_to_whole_fp32_cpu_weights_that_fit_in_memory(tiny,
     assert packing_applies(b.model)
 
 
+@needs_onednn
 def test_sampling_runs_the_packed_products(tiny, monkeypatch):
     from models.layers import PackedLinear
     from sample.generate import generate
