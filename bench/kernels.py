@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from models.common import _grouped_query_attention
+from models.common import _grouped_query_attention, mask_per_group
 from models.layers import packed_projections, silu_mul
 from models.qwen_layers import QwenAttention, QwenMLP
 
@@ -85,7 +85,7 @@ def bench_attention(args: argparse.Namespace) -> None:
         k, v = torch.randn(batch, 2, keys, 32), torch.randn(batch, 2, keys, 32)
         mask = torch.zeros(batch, 1, queries, keys)
         mask[..., keys - 3:] = float("-inf")
-        grouped_mask = mask[:, :, None].expand(batch, 1, 4, queries, keys).reshape(batch, 1, 4 * queries, keys)
+        grouped_mask = mask_per_group(mask, 4)
         a = min(fastest(args.reps, _gqa, q, k, v, mask) for _ in range(args.rounds))
         b = min(fastest(args.reps, _grouped_query_attention, q, k, v, grouped_mask) for _ in range(args.rounds))
         diff = (_gqa(q, k, v, mask) - _grouped_query_attention(q, k, v, grouped_mask)).abs().max().item()

@@ -212,6 +212,12 @@ def _grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> T
     return out.view(b, h, n, d)
 
 
+def mask_per_group(mask: Tensor, groups: int) -> Tensor:
+    """A [B, 1, Q, L] mask repeated along the query axis for ``_grouped_query_attention``: [B, 1, G*Q, L]."""
+    b, one, n, keys = mask.shape
+    return mask[:, :, None].expand(b, one, groups, n, keys).reshape(b, one, groups * n, keys)
+
+
 def additive_mask(layout: AttentionLayout, cache: KVCache | None, dtype: torch.dtype, groups: int = 1) -> Tensor:
     """``layout_mask`` as 0 / -inf in the attention's dtype, built once per forward for all layers; with
     ``groups`` > 1, repeated along the query axis for ``_grouped_query_attention``.
@@ -222,9 +228,7 @@ def additive_mask(layout: AttentionLayout, cache: KVCache | None, dtype: torch.d
     key = ("additive", cache.length if cache is not None and cache.valid is not None else None, dtype, groups)
     if key not in layout._masks:
         if groups > 1:
-            mask = additive_mask(layout, cache, dtype)
-            b, one, n, keys = mask.shape
-            layout._masks[key] = mask[:, :, None].expand(b, one, groups, n, keys).reshape(b, one, groups * n, keys)
+            layout._masks[key] = mask_per_group(additive_mask(layout, cache, dtype), groups)
         else:
             mask = layout_mask(layout, cache)
             layout._masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(

@@ -404,7 +404,7 @@ def test_grouped_query_attention_equals_sdpa_with_gqa():
     layout's mask repeated per head group."""
     import torch.nn.functional as F
 
-    from models.common import _grouped_query_attention
+    from models.common import _grouped_query_attention, mask_per_group
 
     g = torch.Generator().manual_seed(0)
     for b, heads, kv, n, keys in ((3, 8, 2, 4, 21), (1, 6, 3, 8, 40), (2, 4, 1, 1, 9)):
@@ -412,8 +412,7 @@ def test_grouped_query_attention_equals_sdpa_with_gqa():
         visible = torch.rand(b, 1, n, keys, generator=g) < 0.6
         visible[..., -1] = True  # every query sees at least one key
         mask = torch.zeros(b, 1, n, keys).masked_fill_(~visible, float("-inf"))
-        grouped_mask = mask[:, :, None].expand(b, 1, heads // kv, n, keys).reshape(b, 1, heads // kv * n, keys)
-        torch.testing.assert_close(_grouped_query_attention(q, k, v, grouped_mask),
+        torch.testing.assert_close(_grouped_query_attention(q, k, v, mask_per_group(mask, heads // kv)),
                                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
                                    atol=1e-6, rtol=1e-6)
 
