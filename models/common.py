@@ -202,7 +202,7 @@ def _grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> T
 
     Each query meets the same keys in the same order as under ``enable_gqa``, so on CPU the result is the same
     bit for bit; but a decode step (a few queries over many cached keys) becomes one [G*Q, L] problem per K/V head
-    instead of G [Q, L] ones, too small for the fused kernel. On 2 cores (``bench.kernels``): 1.3-1.4x per call
+    instead of G [Q, L] ones, too small for the fused kernel. On 2 cores (``bench.cpu_kernels``): 1.3-1.4x per call
     at batch 32 with 4 queries over 100 keys, about equal at batch 1 and with long caches; a batch-32 rollout
     ~1.1x. ``mask`` is the layout's mask repeated for the G heads (``additive_mask(..., groups=G)``).
     """

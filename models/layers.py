@@ -139,7 +139,7 @@ class PackedLinear:
 
     The concatenated weight is reordered once into oneDNN's blocked layout. MKL's sgemm packs the weight again on
     every call, which dominates at decode shapes (a few tokens per row, weights streamed from L3): on a 2-core
-    AMD EPYC (``bench.kernels``) a layer's products at 4 tokens cost 2.7-2.9x less pre-packed, at 128 tokens
+    AMD EPYC (``bench.cpu_kernels``) a layer's products at 4 tokens cost 2.7-2.9x less pre-packed, at 128 tokens
     1.35x less. Results agree with MKL's to float32 rounding (a different summation order), not bit for bit.
     """
 

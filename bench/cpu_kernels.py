@@ -1,6 +1,6 @@
 """The two CPU decode kernels of the sampler against what they replace, same run:
 
-    python -m bench.kernels
+    python -m bench.cpu_kernels
 
 - projections: a layer's q/k/v, output, gate/up and down products as ``nn.Linear`` calls (MKL sgemm, which packs
   the weight again on every call) vs the pre-packed groups of ``models.layers.packed_projections``; the weights
