@@ -11,8 +11,69 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+class RMSNorm(nn.Module):
+    """w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back before the weight (as the checkpoints'
+    reference code does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension; ``weight`` is [D], or [..., D] matching x's trailing dimensions (one
+    weight per head). Under autograd only the input is kept for backward (``_RMSNormFn``)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFn.apply(x, weight, eps)
+    return _rms_norm(x, weight, eps)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * (x32 / sqrt(mean(x32^2) + eps)).to(x.dtype). ``F.rms_norm`` runs exactly these ATen ops in one
+    call (by hand they are six calls, whose dispatch dominates at decode shapes on CPU); given the weight it
+    multiplies before the cast back, so the weight goes inside only where that cast is a no-op (fp32)."""
+    shape = (x.shape[-1],)
+    if weight.dim() == 1 and x.dtype == weight.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    return F.rms_norm(x, shape, None, eps) * weight
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm that keeps only its input for the backward pass (1/rms is recomputed there).
+
+    Autograd through the plain ops would also keep the fp32 normalised copy (and, in bf16, an fp32 copy of the
+    input): one hidden-sized tensor or more per norm, four norms per layer, for every token of a training row.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)  # as inside F.rms_norm
+        normed = x32 * inv_rms
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_out * normed.to(x.dtype)).reshape(-1, *weight.shape).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            g = (grad_out * weight).float()
+            grad_x = (inv_rms * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_w, None
+
+
 def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and signed sin [B, 1, N, D] for rotate-half RoPE, computed in fp32 from explicit positions.
+    """cos and signed sin [B, N, 1, D] for rotate-half RoPE over heads laid out as [B, N, heads, D], computed in
+    fp32 from explicit positions.
 
     The sin's first half is negated once here, so ``apply_rope`` rotates with one ``roll`` instead of slicing,
     negating and concatenating in every layer (bit for bit the same products). Frequencies are computed on the
@@ -24,7 +85,7 @@ def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch
     emb = torch.cat([freqs, freqs], dim=-1)
     sin = emb.sin()
     sin[..., : head_dim // 2].neg_()
-    return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
+    return emb.cos().to(dtype)[:, :, None], sin.to(dtype)[:, :, None]
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
@@ -32,52 +93,30 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-class RMSNorm(nn.Module):
-    """w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
+def attention_heads(qkv: Tensor, n_heads: int, n_kv: int, head_dim: int, cos: Tensor, sin: Tensor,
+                    qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, N, D] and k, v [B, Hkv, N, D] from a q/k/v projection output [B, N, (H + 2 Hkv) D], with q and
+    k normalised per head (``qk_norm``: Qwen3's q_norm, k_norm) and rotated.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _RMSNormFn.apply(x, self.weight, self.eps)
-        return _rms_norm(x, self.weight, self.eps)[0]
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(output, fp32 1/rms): the forward, the same operations with or without autograd."""
-    x32 = x.float()
-    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (x32 * inv_rms).to(x.dtype), inv_rms
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """RMSNorm that keeps only its input and 1/rms for the backward pass.
-
-    Autograd through the plain ops would also keep the fp32 normalised copy (and, in bf16, an fp32 copy of the
-    input): one hidden-sized tensor or more per norm, four norms per layer, for every token of a training row.
+    q and k sit side by side in the projection output, so the norm and RoPE run once over both ([B, N, H + Hkv,
+    D]) instead of once each: the same values, half the kernel launches (a decode step is launch-bound on CPU).
     """
+    b, n, _ = qkv.shape
+    heads = qkv.view(b, n, n_heads + 2 * n_kv, head_dim)
+    qk, v = heads[:, :, : n_heads + n_kv], heads[:, :, n_heads + n_kv:]
+    if qk_norm is not None:
+        qk = _norm_q_and_k(qk, n_heads, *qk_norm)
+    qk = apply_rope(qk, cos, sin)
+    return qk[:, :, :n_heads].transpose(1, 2), qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out, inv_rms = _rms_norm(x, weight, eps)
-        ctx.save_for_backward(x, weight, inv_rms)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight, inv_rms = ctx.saved_tensors
-        normed = x.float() * inv_rms
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad_out * normed.to(x.dtype)).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            g = (grad_out * weight).float()
-            grad_x = (inv_rms * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
-        return grad_x, grad_w, None
+def _norm_q_and_k(qk: Tensor, n_heads: int, q_norm: RMSNorm, k_norm: RMSNorm) -> Tensor:
+    """``q_norm`` on the first ``n_heads`` heads, ``k_norm`` on the others, as one norm with the two weights side
+    by side. Under ZeRO-3 a parameter is whole only inside its own module's call: there each module runs."""
+    if hasattr(q_norm.weight, "ds_id"):
+        return torch.cat([q_norm(qk[:, :, :n_heads]), k_norm(qk[:, :, n_heads:])], 2)
+    weight = torch.cat([q_norm.weight.expand(n_heads, -1), k_norm.weight.expand(qk.shape[2] - n_heads, -1)])
+    return rms_norm(qk, weight, q_norm.eps)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -105,11 +144,6 @@ class _SiluMulFn(torch.autograd.Function):
         return grad_gate, grad_up
 
 
-def split_heads(x: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    b, n, _ = x.shape
-    return x.view(b, n, n_heads, head_dim).transpose(1, 2)
-
-
 def merge_heads(x: Tensor) -> Tensor:
     b, h, n, d = x.shape
     return x.transpose(1, 2).reshape(b, n, h * d)
@@ -126,12 +160,15 @@ class Projections:
 
     projection_groups: dict[str, tuple[str, ...]] = {}
 
-    def project(self, group: str, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def project(self, group: str, x: Tensor, split: bool = True) -> Tensor | tuple[Tensor, ...]:
+        """The group's outputs, one per layer, or (``split=False``) side by side in one tensor."""
         packed = self.__dict__.get("_packed", {}).get(group)
         if packed is not None and not torch.is_grad_enabled():
-            return packed(x)
+            return packed(x, split)
         out = tuple(getattr(self, name)(x) for name in self.projection_groups[group])
-        return out if len(out) > 1 else out[0]
+        if len(out) == 1:
+            return out[0]
+        return out if split else torch.cat(out, -1)
 
 
 class PackedLinear:
@@ -153,9 +190,9 @@ class PackedLinear:
         self.bias = None if all(b is None for b in biases) else torch.cat([
             b.detach() if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, linears)])
 
-    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def __call__(self, x: Tensor, split: bool = True) -> Tensor | tuple[Tensor, ...]:
         y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return y.split(self.sizes, -1) if len(self.sizes) > 1 else y
+        return y.split(self.sizes, -1) if split and len(self.sizes) > 1 else y
 
 
 def packing_applies(model: nn.Module) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from models.common import AttentionLayout, KVCache, attend
-from models.layers import Projections, RMSNorm, apply_rope, merge_heads, silu_mul, split_heads
+from models.layers import Projections, RMSNorm, attention_heads, merge_heads, silu_mul
 
 
 class QwenAttention(Projections, nn.Module):
@@ -34,12 +34,9 @@ class QwenAttention(Projections, nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: AttentionLayout, cache: KVCache | None,
                 store_kv: bool, backend: str) -> Tensor:
-        q, k, v = self.project("qkv", x)
-        q = split_heads(q, self.n_heads, self.head_dim)
-        k, v = split_heads(k, self.n_kv, self.head_dim), split_heads(v, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+        q, k, v = attention_heads(self.project("qkv", x, split=False), self.n_heads, self.n_kv, self.head_dim, cos,
+                                  sin, qk_norm)
         out = attend(q, k, v, layout, cache, self.layer_idx, store_kv, backend)
         return self.project("out", merge_heads(out))
 

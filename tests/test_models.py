@@ -306,10 +306,10 @@ def test_rope_rotates_each_half_pair_by_position_times_frequency():
     g = torch.Generator().manual_seed(0)
     d, theta = 8, 10000.0
     pos = torch.tensor([[0, 1, 5, 37, 1000]])
-    x = torch.randn(1, 3, 5, d, generator=g)
+    x = torch.randn(1, 5, 3, d, generator=g)  # [batch, positions, heads, D]
     cos, signed_sin = rope_cos_sin(pos, d, theta, torch.float32)
     out = apply_rope(x, cos, signed_sin)
-    angle = pos[0, :, None].double() * theta ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)  # [5, D/2]
+    angle = pos[0, :, None, None].double() * theta ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)
     x1, x2 = x[..., : d // 2].double(), x[..., d // 2:].double()
     expected = torch.cat([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], -1)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
@@ -389,7 +389,7 @@ def test_sampling_runs_the_packed_products(tiny, monkeypatch):
 
     calls = []
     real = PackedLinear.__call__
-    monkeypatch.setattr(PackedLinear, "__call__", lambda self, x: calls.append(x.shape) or real(self, x))
+    monkeypatch.setattr(PackedLinear, "__call__", lambda self, x, *a: calls.append(x.shape) or real(self, x, *a))
     a = tiny("sdar", block_size=4)
     out = generate(a, [[5, 6, 7]], SamplingParams(max_tokens=8, block_size=4, denoising_steps=2, seed=0,
                                                   ignore_eos=True), progress=False)

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from models.base import BackboneMixin, LMHeadMixin, full_weights
 from models.common import attend
-from models.layers import Projections, RMSNorm, apply_rope, init_linear_normal, merge_heads, silu_mul, split_heads
+from models.layers import Projections, RMSNorm, attention_heads, init_linear_normal, merge_heads, silu_mul
 from models.llada.configuration_llada import LLaDAConfig, MMadaConfig
 
 
@@ -39,10 +39,8 @@ class LLaDALlamaBlock(Projections, nn.Module):
         self.ff_out = nn.Linear(config.mlp_hidden_size, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout, cache, store_kv: bool, backend: str) -> Tensor:
-        q, k, v = self.project("qkv", self.attn_norm(x))
-        q = apply_rope(split_heads(q, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(split_heads(k, self.n_kv, self.head_dim), cos, sin)
-        v = split_heads(v, self.n_kv, self.head_dim)
+        qkv = self.project("qkv", self.attn_norm(x), split=False)
+        q, k, v = attention_heads(qkv, self.n_heads, self.n_kv, self.head_dim, cos, sin)
         x = x + self.project("attn_out", merge_heads(attend(q, k, v, layout, cache, self.layer_idx, store_kv, backend)))
         return x + self.project("ff_out", silu_mul(*self.project("ff_up", self.ff_norm(x))))
 
