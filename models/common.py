@@ -185,26 +185,32 @@ def attend(
         k_all, v_all = k, v
     if backend == "flex" and past_k is None:
         return _flex(q, k_all, v_all, layout)
-    if backend == "flash" and flash_attn_func is not None and q.is_cuda and _layout_is_full(layout) and past_k is None:
+    if backend == "flash" and flash_attn_func is not None and q.is_cuda and past_k is None and _all_visible(layout):
         out = flash_attn_func(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), causal=False)
         return out.transpose(1, 2)
-    if cache is None and not q.is_cuda and _split_pays(layout):
+    past = cache if past_k is not None else None
+    # On CPU a layout in which every query sees every key (one row decoding one block, an unpadded full-attention
+    # row) runs without a mask: building it is ~30 small operations per forward, a tenth of a batch-1 decode step.
+    # On CUDA the check would be a host sync inside the forward; the mask is built there.
+    unmasked = not q.is_cuda and _all_visible(layout, past)
+    if cache is None and not q.is_cuda and not unmasked and _split_pays(layout):
         return _split_attention(q, k, v, layout)
     groups = q.shape[1] // k.shape[1]
-    if past_k is not None and groups > 1 and not q.is_cuda:
-        return _grouped_query_attention(q, k_all, v_all, additive_mask(layout, cache, q.dtype, groups))
-    mask = additive_mask(layout, cache if past_k is not None else None, q.dtype)
+    if past is not None and groups > 1 and not q.is_cuda:
+        mask = None if unmasked else additive_mask(layout, cache, q.dtype, groups)
+        return _grouped_query_attention(q, k_all, v_all, mask)
+    mask = None if unmasked else additive_mask(layout, past, q.dtype)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=groups > 1)
 
 
-def _grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def _grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """SDPA with the G query heads that share a K/V head folded into the query axis: [B, Hkv, G*Q, D].
 
     Each query meets the same keys in the same order as under ``enable_gqa``, so on CPU the result is the same
     bit for bit; but a decode step (a few queries over many cached keys) becomes one [G*Q, L] problem per K/V head
     instead of G [Q, L] ones, too small for the fused kernel. On 2 cores (``bench.cpu_kernels``): 1.3-1.4x per call
     at batch 32 with 4 queries over 100 keys, about equal at batch 1 and with long caches; a batch-32 rollout
-    ~1.1x. ``mask`` is the layout's mask repeated for the G heads (``additive_mask(..., groups=G)``).
+    ~1.1x. ``mask`` is the layout's mask repeated for the G heads (``additive_mask(..., groups=G)``), or None.
     """
     b, h, n, d = q.shape
     kv = k.shape[1]
@@ -312,12 +318,17 @@ def layout_mask(layout: AttentionLayout, cache: KVCache | None) -> Tensor:
     return layout._masks[key]
 
 
-def _layout_is_full(layout: AttentionLayout) -> bool:
-    """Unpadded full attention (flash-attn needs no mask); evaluated once per forward, not per layer."""
-    if "is_full" not in layout._masks:
-        flags = torch.stack([layout.valid.all(), (layout.block == 0).all(), (layout.copy == 0).all()])
-        layout._masks["is_full"] = bool(flags.all())  # one host sync
-    return layout._masks["is_full"]
+def _all_visible(layout: AttentionLayout, cache: KVCache | None = None) -> bool:
+    """Every query may see every key: valid tokens of one block and one copy, and (with a cache) every cached
+    column valid. Evaluated once per forward (one host sync), not per layer."""
+    key = ("all_visible", cache.length if cache is not None and cache.valid is not None else None)
+    if key not in layout._masks:
+        flags = [layout.valid.all(), (layout.block == layout.block[:, :1]).all(),
+                 (layout.copy == layout.copy[:, :1]).all()]
+        if cache is not None and cache.valid is not None:
+            flags.append(cache.valid.all())
+        layout._masks[key] = bool(torch.stack(flags).all())
+    return layout._masks[key]
 
 
 _FLEX_COMPILED: dict = {}

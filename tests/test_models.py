@@ -271,6 +271,46 @@ def test_memory_lean_rmsnorm_and_gated_product_match_autograd_of_the_formulas(dt
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_and_k_normalised_and_rotated_in_one_pass_equal_the_per_tensor_formulas(dtype):
+    """``attention_heads`` runs Qwen3's q_norm / k_norm (different weights) and RoPE once over q and k side by
+    side: q, k, v equal the textbook per-tensor computation bit for bit, and the gradients of the projection
+    output and of both norm weights equal autograd through it."""
+    from models.layers import RMSNorm, attention_heads, rope_cos_sin
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv, d, n, eps = 4, 2, 8, 5, 1e-6
+    qkv = (torch.randn(2, n, (heads + 2 * kv) * d, generator=g, dtype=torch.float64) * 3).to(dtype)
+    qkv.requires_grad_()
+    q_norm, k_norm = RMSNorm(d, eps).to(dtype), RMSNorm(d, eps).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(d, generator=g, dtype=torch.float64))
+        k_norm.weight.copy_(torch.randn(d, generator=g, dtype=torch.float64))
+    cos, signed_sin = rope_cos_sin(torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 9]]), d, 1e6, dtype)
+    sin = torch.cat([-signed_sin[..., : d // 2], signed_sin[..., d // 2:]], -1)
+
+    def textbook(x, w):  # [B, N, h, D] -> normalised, rotated, [B, h, N, D]
+        x32 = x.float()
+        x = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return (x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin).transpose(1, 2)
+
+    q, k, v = qkv.split([heads * d, kv * d, kv * d], -1)
+    want = (textbook(q.view(2, n, heads, d), q_norm.weight), textbook(k.view(2, n, kv, d), k_norm.weight),
+            v.view(2, n, kv, d).transpose(1, 2))
+    got = attention_heads(qkv, heads, kv, d, cos, signed_sin, (q_norm, k_norm))
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a, b)
+    w_out = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(dtype) for t in want]
+    params = (qkv, q_norm.weight, k_norm.weight)
+    grads = [torch.autograd.grad(sum((t * w).sum() for t, w in zip(ts, w_out)), params) for ts in (got, want)]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **tol)
+    with torch.no_grad():  # inference runs the same values
+        for a, b in zip(attention_heads(qkv, heads, kv, d, cos, signed_sin, (q_norm, k_norm)), want):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("model_base", FAMILY_BASES)
 def test_training_forward_keeps_one_attention_mask_for_all_layers(tiny, model_base):
     """Dense masked attention under autograd keeps ONE additive [B, 1, N, N] mask for the backward pass (built once
@@ -418,6 +458,8 @@ def test_grouped_query_attention_equals_sdpa_with_gqa():
 
 
 def test_cached_forward_builds_one_grouped_mask_for_all_layers(tiny, monkeypatch):
+    """Cached attention on CPU: one grouped mask (G*Q x keys) for every layer; none at all when every query sees
+    every key (one row decoding one block over a fully valid cache). Both equal the uncached forward."""
     import models.common as common
 
     a = tiny("sdar", block_size=4)
@@ -426,13 +468,25 @@ def test_cached_forward_builds_one_grouped_mask_for_all_layers(tiny, monkeypatch
     real = common._grouped_query_attention
     monkeypatch.setattr(common, "_grouped_query_attention", lambda q, k, v, m: masks.append(m) or real(q, k, v, m))
     ids, pos = _block_inputs(8)
-    cache = a.new_cache()
-    with torch.no_grad():
-        a.hidden(ids[:, :4], pos[:, :4], AttentionLayout.block_causal(pos[:, :4], 4), cache, store_kv=True)
-        assert masks == []  # nothing cached yet: plain SDPA
-        out = a.forward(ids[:, 4:], pos[:, 4:], AttentionLayout.block_causal(pos[:, 4:], 4), cache)
+    ids, pos = ids.expand(2, -1).clone(), pos.expand(2, -1).clone()
+    ids[1] = ids[1].flip(0)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, 0] = False  # row 1: a padded prompt column, never visible
     groups = a.model.config.num_attention_heads // a.model.config.num_key_value_heads
-    assert len(masks) == a.model.config.num_hidden_layers and all(m is masks[0] for m in masks)
-    assert masks[0].shape == (1, 1, groups * 4, 8)
-    full = a.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
-    torch.testing.assert_close(out, full[:, 4:], atol=1e-5, rtol=1e-5)
+    layers = a.model.config.num_hidden_layers
+    for rows, expect_mask in ((slice(0, 1), False), (slice(0, 2), True)):
+        masks.clear()
+        cache = a.new_cache()
+        r_ids, r_pos, r_valid = ids[rows], pos[rows], valid[rows]
+        with torch.no_grad():
+            prefix = AttentionLayout.block_causal(r_pos[:, :4], 4, r_valid[:, :4])
+            a.hidden(r_ids[:, :4], r_pos[:, :4], prefix, cache, store_kv=True)
+            assert masks == []  # nothing cached yet: plain SDPA
+            out = a.forward(r_ids[:, 4:], r_pos[:, 4:], AttentionLayout.block_causal(r_pos[:, 4:], 4), cache)
+            full = a.forward(r_ids, r_pos, AttentionLayout.block_causal(r_pos, 4, r_valid))
+        assert len(masks) == layers and all(m is masks[0] for m in masks)
+        if expect_mask:
+            assert masks[0].shape == (2, 1, groups * 4, 8)
+        else:
+            assert masks[0] is None
+        torch.testing.assert_close(out, full[:, 4:], atol=1e-5, rtol=1e-5)
