@@ -457,6 +457,31 @@ def test_grouped_query_attention_equals_sdpa_with_gqa():
                                    atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("model_base", FAMILY_BASES)
+def test_attention_without_a_mask_only_where_everything_is_visible(tiny, model_base, monkeypatch):
+    """CPU attention skips the mask where every query sees every key: the same logits as with the mask built;
+    a padded column or a second block still gets its mask."""
+    import models.common as common
+
+    a = tiny(model_base, block_size=4)
+    ids, pos = _block_inputs(8)
+    full_attention = a.attention == "full"
+    layouts = {
+        "visible": AttentionLayout.full(torch.ones(1, 8, dtype=torch.bool)) if full_attention
+        else AttentionLayout.block_causal(pos[:, 4:], 4),
+        "padded": AttentionLayout.full(torch.arange(8)[None] < 6),
+        "two blocks": AttentionLayout.block_causal(pos, 4),
+    }
+    assert [common._all_visible(layout) for layout in layouts.values()] == [True, False, False]
+    cols = slice(0, 8) if full_attention else slice(4, 8)
+    with torch.no_grad():
+        skipped = a.forward(ids[:, cols], pos[:, cols], layouts["visible"])
+        monkeypatch.setattr(common, "_all_visible", lambda layout, cache=None: False)
+        built = a.forward(ids[:, cols], pos[:, cols], AttentionLayout(*(getattr(layouts["visible"], f)
+                                                                         for f in ("block", "copy", "valid"))))
+    torch.testing.assert_close(skipped, built, atol=1e-5, rtol=1e-5)
+
+
 def test_cached_forward_builds_one_grouped_mask_for_all_layers(tiny, monkeypatch):
     """Cached attention on CPU: one grouped mask (G*Q x keys) for every layer; none at all when every query sees
     every key (one row decoding one block over a fully valid cache). Both equal the uncached forward."""
