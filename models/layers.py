@@ -98,25 +98,32 @@ def attention_heads(qkv: Tensor, n_heads: int, n_kv: int, head_dim: int, cos: Te
     """q [B, H, N, D] and k, v [B, Hkv, N, D] from a q/k/v projection output [B, N, (H + 2 Hkv) D], with q and
     k normalised per head (``qk_norm``: Qwen3's q_norm, k_norm) and rotated.
 
-    q and k sit side by side in the projection output, so the norm and RoPE run once over both ([B, N, H + Hkv,
-    D]) instead of once each: the same values, half the kernel launches (a decode step is launch-bound on CPU).
+    q and k sit side by side in the projection output, so without autograd the norm and RoPE run once over both
+    ([B, N, H + Hkv, D]) instead of once each: the same values, half the kernel launches (a decode step is
+    launch-bound on CPU).
     """
     b, n, _ = qkv.shape
     heads = qkv.view(b, n, n_heads + 2 * n_kv, head_dim)
     qk, v = heads[:, :, : n_heads + n_kv], heads[:, :, n_heads + n_kv:]
     if qk_norm is not None:
-        qk = _norm_q_and_k(qk, n_heads, *qk_norm)
+        q_norm, k_norm = qk_norm
+        if torch.is_grad_enabled() or hasattr(q_norm.weight, "ds_id"):
+            q, k = _norm_and_rotate_apart(qk, n_heads, q_norm, k_norm, cos, sin)
+            return q, k, v.transpose(1, 2)
+        weight = torch.cat([q_norm.weight.expand(n_heads, -1), k_norm.weight.expand(n_kv, -1)])
+        qk = rms_norm(qk, weight, q_norm.eps)
     qk = apply_rope(qk, cos, sin)
     return qk[:, :, :n_heads].transpose(1, 2), qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
 
 
-def _norm_q_and_k(qk: Tensor, n_heads: int, q_norm: RMSNorm, k_norm: RMSNorm) -> Tensor:
-    """``q_norm`` on the first ``n_heads`` heads, ``k_norm`` on the others, as one norm with the two weights side
-    by side. Under ZeRO-3 a parameter is whole only inside its own module's call: there each module runs."""
-    if hasattr(q_norm.weight, "ds_id"):
-        return torch.cat([q_norm(qk[:, :, :n_heads]), k_norm(qk[:, :, n_heads:])], 2)
-    weight = torch.cat([q_norm.weight.expand(n_heads, -1), k_norm.weight.expand(qk.shape[2] - n_heads, -1)])
-    return rms_norm(qk, weight, q_norm.eps)
+def _norm_and_rotate_apart(qk: Tensor, n_heads: int, q_norm: RMSNorm, k_norm: RMSNorm, cos: Tensor,
+                           sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q and k normalised by their own modules and rotated one by one, as [B, heads, N, D]: under autograd the
+    norm weights' gradients then sum in the order they always did (training numerics unchanged, bit for bit),
+    and under ZeRO-3 a parameter is whole only inside its own module's call."""
+    q, k = qk[:, :, :n_heads].transpose(1, 2), qk[:, :, n_heads:].transpose(1, 2)
+    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+    return apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:

@@ -274,8 +274,9 @@ def test_memory_lean_rmsnorm_and_gated_product_match_autograd_of_the_formulas(dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q_and_k_normalised_and_rotated_in_one_pass_equal_the_per_tensor_formulas(dtype):
     """``attention_heads`` runs Qwen3's q_norm / k_norm (different weights) and RoPE once over q and k side by
-    side: q, k, v equal the textbook per-tensor computation bit for bit, and the gradients of the projection
-    output and of both norm weights equal autograd through it."""
+    side when no gradient is needed, and per tensor under autograd: both give q, k, v equal to the textbook
+    per-tensor computation bit for bit, and the gradients of the projection output and of both norm weights equal
+    autograd through it."""
     from models.layers import RMSNorm, attention_heads, rope_cos_sin
 
     g = torch.Generator().manual_seed(0)
