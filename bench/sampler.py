@@ -15,15 +15,18 @@ reported (shared machines are noisy).
 On CPU, batching pays by amortising per-forward overhead: once a batch-32 forward is compute-bound (the 3.3M-param
 ``cpu`` preset reaches ~50 GFLOP/s on 2 cores) the batch/loop ratio is capped by FLOPs, not by the sampler.
 
-``--baseline REF`` measures batch 1 (one prompt at a time, over the N prompts), batch N and an AR-equivalent run
+``--baseline REF`` measures batch 1 (``--loop-prompts`` prompts one at a time), batch N and an AR-equivalent run
 (block 1, one step per block: one token per forward, what an autoregressive model of the same shape costs) with
 the code of commit REF too, in a subprocess over a temporary ``git worktree`` (same model seed, same prompts, same
-machine, interleaved rounds) and prints the ratios ours / REF.
+machine) that answers one run at a time: every run of ours is paired with a run of REF made just before or just
+after it (the order alternates by round), and the median of the paired ratios is printed next to best-of-rounds.
+On a shared machine whose load changes within minutes, runs a few minutes apart differ by 20-30%.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -31,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -99,59 +103,109 @@ def run(adapter, prompts: list[list[int]], params: SamplingParams, device: str) 
 def loop_one_at_a_time(adapter, prompts: list[list[int]], params: SamplingParams, device: str,
                        repeat: int) -> RolloutStats:
     """Sample the prompts one by one (batch 1), the fastest of ``repeat`` runs per prompt, summed."""
-    stats = [best_of(repeat, run, adapter, [p], params, device) for p in prompts]
-    total = {f: sum(getattr(s, f) for s in stats)
-             for f in ("forwards", "denoise_forwards", "generated_tokens", "wall_time")}
-    return RolloutStats(**total)
+    return _summed([best_of(repeat, run, adapter, [p], params, device) for p in prompts])
+
+
+def _summed(stats: list[RolloutStats]) -> RolloutStats:
+    return RolloutStats(**{f: sum(getattr(s, f) for s in stats)
+                           for f in ("forwards", "denoise_forwards", "generated_tokens", "wall_time")})
+
+
+class CoreWorkload:
+    """Batch 1 (``--loop-prompts`` prompts one at a time), batch N and the AR-equivalent run (block 1, one step
+    per block) on one model, measured one run at a time, so that two versions of the code can alternate run by run.
+    Uses only APIs that older commits have too."""
+
+    def __init__(self, args: argparse.Namespace):
+        dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+        self.adapter = build_adapter(args.preset, args.device, dtype, args.block_size)
+        self.device = args.device
+        self.prompts = make_prompts(args.batch, self.adapter.model.config.vocab_size)
+        params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps, temperature=1.0, seed=0,
+                                ignore_eos=True, stop_token_ids=[], max_active=args.batch)
+        ar = SamplingParams(**{**params.__dict__, "block_size": 1, "denoising_steps": 1})
+        loop = self.prompts[: args.loop_prompts]
+        self.variants = {"batch 1": (loop, params, True), f"batch {args.batch}": (self.prompts, params, False),
+                         "AR-equivalent, batch 1": (loop, ar, True)}
+        run(self.adapter, self.prompts[:2], params, self.device)  # warm-up
+
+    def measure(self, key: str) -> list[float]:
+        """[tokens/s, forwards per token] of one run of variant ``key``."""
+        prompts, params, one_at_a_time = self.variants[key]
+        if one_at_a_time:
+            stats = _summed([run(self.adapter, [p], params, self.device) for p in prompts])
+        else:
+            stats = run(self.adapter, prompts, params, self.device)
+        return [stats.tokens_per_second, stats.forwards / max(stats.generated_tokens, 1)]
 
 
 def measure_core(args: argparse.Namespace) -> dict[str, list[float]]:
-    """[tokens/s, forwards per token] of batch 1 (prompt by prompt), batch N and the AR-equivalent run, with the
-    code importable here (only APIs that older commits have too)."""
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    adapter = build_adapter(args.preset, args.device, dtype, args.block_size)
-    prompts = make_prompts(args.batch, adapter.model.config.vocab_size)
-    params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps, temperature=1.0, seed=0,
-                            ignore_eos=True, stop_token_ids=[], max_active=args.batch)
-    ar = SamplingParams(**{**params.__dict__, "block_size": 1, "denoising_steps": 1})
-    run(adapter, prompts[:2], params, args.device)  # warm-up
-    rep, dev = args.repeat, args.device
-    out = {"batch 1": loop_one_at_a_time(adapter, prompts[: args.loop_prompts], params, dev, rep),
-           f"batch {args.batch}": best_of(rep, run, adapter, prompts, params, dev),
-           "AR-equivalent, batch 1": loop_one_at_a_time(adapter, prompts[: args.loop_prompts], ar, dev, rep)}
-    return {k: [s.tokens_per_second, s.forwards / max(s.generated_tokens, 1)] for k, s in out.items()}
+    """Each variant of ``CoreWorkload``, the fastest of ``--repeat`` runs."""
+    work = CoreWorkload(args)
+    return {key: max((work.measure(key) for _ in range(args.repeat)), key=lambda m: m[0]) for key in work.variants}
 
 
-def measure_at(ref: str, argv: list[str]) -> dict[str, list[float]]:
-    """``measure_core`` with the code of commit ``ref`` (a temporary git worktree; this script, that code)."""
+@contextlib.contextmanager
+def baseline_server(ref: str, argv: list[str]) -> Iterator[Callable[[str], list[float]]]:
+    """``CoreWorkload.measure`` with the code of commit ``ref``: this script in a subprocess over a temporary git
+    worktree, answering one measurement per request, so that its runs interleave with ours run by run."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
         tree = str(Path(tmp) / "tree")
         subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q", tree, ref], check=True)
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--serve"], cwd=tree,
+                                env={**os.environ, "PYTHONPATH": tree}, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+
+        def ask(key: str) -> list[float]:
+            proc.stdin.write(key + "\n")
+            proc.stdin.flush()
+            for line in proc.stdout:  # anything else the code of that commit prints is skipped
+                if line.startswith(SERVE_PREFIX):
+                    return json.loads(line[len(SERVE_PREFIX):])
+            raise RuntimeError(f"the baseline process (commit {ref}) ended with code {proc.wait()}; see its stderr")
+
         try:
-            env = {**os.environ, "PYTHONPATH": tree}
-            done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--measure-json"], cwd=tree,
-                                  env=env, capture_output=True, text=True, check=True)
+            yield ask
         finally:
+            proc.stdin.close()
+            proc.wait()
             subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", tree], check=False)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+SERVE_PREFIX = "measured: "
+
+
+def serve(args: argparse.Namespace) -> None:
+    """The baseline side of ``--baseline``: one ``CoreWorkload`` measurement per variant name read from stdin."""
+    work = CoreWorkload(args)
+    for line in sys.stdin:
+        print(SERVE_PREFIX + json.dumps(work.measure(line.strip())), flush=True)
 
 
 def compare_with_baseline(args: argparse.Namespace, argv: list[str]) -> None:
-    rounds = []
-    for _ in range(args.rounds):  # interleaved, so machine noise hits both sides alike
-        rounds.append((measure_at(args.baseline, argv), measure_core(args)))
-    print(f"\nours vs commit {args.baseline} ({args.rounds} interleaved rounds; tokens/s best of rounds; "
-          f"batch 1 = {args.loop_prompts} prompts one at a time; paired = the median over rounds of ours / base "
-          f"measured side by side, the steadier figure on a machine whose load comes and goes)")
+    with baseline_server(args.baseline, argv) as base:
+        ours = CoreWorkload(args)
+        pairs: dict[str, list[tuple[list[float], list[float]]]] = {key: [] for key in ours.variants}
+        for r in range(args.rounds):
+            for key in ours.variants:  # base and ours back to back, in alternating order: load drift hits both
+                if r % 2 == 0:
+                    b = base(key)
+                    pairs[key].append((b, ours.measure(key)))
+                else:
+                    o = ours.measure(key)
+                    pairs[key].append((base(key), o))
+    print(f"\nours vs commit {args.baseline} ({args.rounds} rounds, each variant measured back to back on both sides; "
+          f"tokens/s best of rounds; batch 1 = {args.loop_prompts} prompts one at a time; paired = the median over "
+          f"rounds of ours / base, the steadier figure on a machine whose load comes and goes)")
     print(f"{'variant':<26}{'base tok/s':>12}{'ours tok/s':>12}{'ratio':>8}{'paired':>8}{'base fwd/tok':>14}"
           f"{'ours fwd/tok':>14}")
-    for key in rounds[0][0]:
-        base = max(r[0][key][0] for r in rounds)
-        ours = max(r[1][key][0] for r in rounds)
-        paired = statistics.median(r[1][key][0] / r[0][key][0] for r in rounds)
-        print(f"{key:<26}{base:>12.1f}{ours:>12.1f}{ours / base:>7.2f}x{paired:>7.2f}x{rounds[0][0][key][1]:>14.3f}"
-              f"{rounds[0][1][key][1]:>14.3f}")
+    for key, runs in pairs.items():
+        base_best = max(b[0] for b, _ in runs)
+        ours_best = max(o[0] for _, o in runs)
+        paired = statistics.median(o[0] / b[0] for b, o in runs)
+        print(f"{key:<26}{base_best:>12.1f}{ours_best:>12.1f}{ours_best / base_best:>7.2f}x{paired:>7.2f}x"
+              f"{runs[0][0][1]:>14.3f}{runs[0][1][1]:>14.3f}")
 
 
 def compare_dtypes(args: argparse.Namespace) -> None:
@@ -192,16 +246,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per variant; the fastest is reported")
     ap.add_argument("--skip-slow", action="store_true", help="skip the no-cache baseline at batch N")
     ap.add_argument("--baseline", default=None, help="also measure the code of this git commit (see above)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the baseline comparison")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of the baseline comparison (one run per side "
+                    "and variant each)")
     ap.add_argument("--loop-prompts", type=int, default=8, help="prompts sampled one at a time (comparison)")
     ap.add_argument("--compare-dtypes", action="store_true", help="float32 vs bfloat16 sampling (see above)")
-    ap.add_argument("--measure-json", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:]
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.measure_json:
-        print(json.dumps(measure_core(args)))
+    if args.serve:
+        serve(args)
         return
     if args.compare_dtypes:
         print(hardware_line(args.device))
