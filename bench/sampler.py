@@ -168,7 +168,8 @@ def baseline_server(ref: str, argv: list[str]) -> Iterator[Callable[[str], list[
         try:
             yield ask
         finally:
-            proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # it may have died already (its stderr says why)
+                proc.stdin.close()
             proc.wait()
             subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", tree], check=False)
 
