@@ -117,12 +117,13 @@ class CoreWorkload:
     Uses only APIs that older commits have too."""
 
     def __init__(self, args: argparse.Namespace):
-        dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-        self.adapter = build_adapter(args.preset, args.device, dtype, args.block_size)
+        self.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+        self.adapter = build_adapter(args.preset, args.device, self.dtype, args.block_size)
         self.device = args.device
         self.prompts = make_prompts(args.batch, self.adapter.model.config.vocab_size)
-        params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps, temperature=1.0, seed=0,
-                                ignore_eos=True, stop_token_ids=[], max_active=args.batch)
+        self.params = params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps,
+                                              temperature=1.0, seed=0, ignore_eos=True, stop_token_ids=[],
+                                              max_active=args.batch)
         ar = SamplingParams(**{**params.__dict__, "block_size": 1, "denoising_steps": 1})
         loop = self.prompts[: args.loop_prompts]
         self.variants = {"batch 1": (loop, params, True), f"batch {args.batch}": (self.prompts, params, False),
@@ -268,17 +269,14 @@ def main() -> None:
         print(hardware_line(args.device))
         compare_with_baseline(args, [a for a in own if not a.startswith("--baseline=")])
         return
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     print(hardware_line(args.device))
-    adapter = build_adapter(args.preset, args.device, dtype, args.block_size)
+    work = CoreWorkload(args)  # the model, prompts and parameters of every measurement here (warmed up)
+    adapter, prompts, params = work.adapter, work.prompts, work.params
     n_params = sum(p.numel() for p in adapter.model.parameters())
-    print(f"model: SDAR-shaped preset {args.preset} ({n_params / 1e6:.1f}M params, {dtype}), block {args.block_size}, "
-          f"{args.steps} steps/block, {args.max_tokens} tokens/response, static remasking, temperature 1")
-    prompts = make_prompts(args.batch, adapter.model.config.vocab_size)
-    params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps, temperature=1.0, seed=0,
-                            ignore_eos=True, stop_token_ids=[], max_active=args.batch)
+    print(f"model: SDAR-shaped preset {args.preset} ({n_params / 1e6:.1f}M params, {work.dtype}), block "
+          f"{args.block_size}, {args.steps} steps/block, {args.max_tokens} tokens/response, static remasking, "
+          f"temperature 1")
     slow = SamplingParams(**{**params.__dict__, "cache": "none"})
-    run(adapter, prompts[:2], params, args.device)  # warm-up
     rep, dev = args.repeat, args.device
     results = {
         "ours, batch 1": best_of(rep, run, adapter, prompts[:1], params, dev),
