@@ -16,6 +16,7 @@ class Terminated(KeyboardInterrupt):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that describe a problem the user can fix (their message is the whole story)."""
+    from core.errors import UserError
     from core.files import RunDirError
     from core.loader import ConfigError
     from data.formats import DataFormatError
@@ -23,7 +24,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from models.registry import ModelLoadError
     from sample.strategies import DegenerateLogitsError
 
-    return (ConfigError, ModelLoadError, DataFormatError, RunDirError, FileNotFoundError, DegenerateLogitsError,
+    return (UserError, ConfigError, ModelLoadError, DataFormatError, RunDirError, FileNotFoundError, DegenerateLogitsError,
             ClusterError)
 
 
