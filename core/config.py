@@ -72,6 +72,8 @@ class RLExperimentConfig(ExperimentConfig):
     total_step: int = bounded(80, 1)  # RL steps in the whole run
     save_every: int = bounded(10, 1)  # checkpoint every N steps (and at the end)
     eval_every: int = bounded(10, 0)  # 0 = no in-loop evaluation
+    keep_checkpoints: int = bounded(0, 0)  # keep the N newest step checkpoints (older steps keep their logs); 0 = all
+    max_idle_steps: int = bounded(5, 0)  # stop after N steps in a row with no optimizer update; 0 = never stop
     current_epoch: int = bounded(1, 1)  # the reference's resume knob; rl.py resumes from the run directory
 
     def validate(self) -> None:

@@ -17,14 +17,13 @@ class Terminated(KeyboardInterrupt):
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that describe a problem the user can fix (their message is the whole story)."""
     from core.errors import UserError
-    from core.files import RunDirError
     from core.loader import ConfigError
     from data.formats import DataFormatError
     from jobs.cluster import ClusterError
     from models.registry import ModelLoadError
     from sample.strategies import DegenerateLogitsError
 
-    return (UserError, ConfigError, ModelLoadError, DataFormatError, RunDirError, FileNotFoundError, DegenerateLogitsError,
+    return (UserError, ConfigError, ModelLoadError, DataFormatError, FileNotFoundError, DegenerateLogitsError,
             ClusterError)
 
 
@@ -76,8 +75,8 @@ def run_job(job: Callable[[], object]) -> int:
         return 0
     except KeyboardInterrupt as err:
         terminated = isinstance(err, Terminated)
-        print(f"\n{'terminated' if terminated else 'interrupted'}: the partial run is left in its '.partial' "
-              "folder, marked INTERRUPTED", file=sys.stderr)
+        detail = getattr(err, "detail", None) or "the partial run is left in its '.partial' folder, marked INTERRUPTED"
+        print(f"\n{'terminated' if terminated else 'interrupted'}: {detail}", file=sys.stderr)
         return EXIT_SIGTERM if terminated else EXIT_SIGINT
     except Exception as err:
         if isinstance(err, _user_errors()):

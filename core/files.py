@@ -2,17 +2,88 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from core.errors import UserError
+
 PARTIAL_SUFFIX = ".partial"
 INTERRUPTED_MARK = "INTERRUPTED"
+LOCK_NAME = ".lock"  # inside a run directory: held (flock) by the process that runs it
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-class RunDirError(ValueError):
+class RunDirError(UserError, ValueError):
     """A user-facing problem with an output directory."""
+
+
+def make_run_dir(root: Path) -> Path:
+    """Create ``root`` (and its parents); a path through a regular file is a one-line error, not a traceback."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        culprit = next((p for p in [root, *root.parents] if p.exists() and not p.is_dir()), root)
+        raise RunDirError(f"cannot create the run directory {root}: {culprit} is a file, not a directory "
+                          "(choose another experiment.output_dir / experiment.project)") from None
+    return root
+
+
+class RunLock:
+    """An OS lock (``flock``) on ``<run dir>/.lock``, held for the life of the process that runs the directory.
+
+    A second run, a resume or an ``overwrite`` of a live run is refused with the holder's pid; the OS releases the
+    lock when its holder dies (SIGKILL included), so a dead holder's lock is simply taken over.
+    """
+
+    def __init__(self, root: Path):
+        import fcntl
+
+        self.path = make_run_dir(root) / LOCK_NAME
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(self.fd)
+            raise RunDirError(f"run directory {root} is in use by a live run (pid {holder}); wait for it to end, "
+                              "stop it, or choose another experiment.project") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = None
+
+
+def run_dir_entries(root: Path) -> list[Path]:
+    """What a run directory holds, its lock file aside."""
+    return [p for p in root.iterdir() if p.name != LOCK_NAME] if root.is_dir() else []
+
+
+def disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in DISK_FULL
+
+
+def disk_full_error(where: Path, needed: int | None) -> RunDirError:
+    """The one line for a write that ran out of space at ``where``; ``needed``: bytes one save takes, if known."""
+    probe = next((p for p in [where, *where.parents] if p.exists()), where)
+    free = shutil.disk_usage(probe).free
+    need = f"; a save of this run needs about {_mb(needed)}" if needed else ""
+    return RunDirError(f"no space left on the device while writing {where} ({_mb(free)} free{need}); the "
+                       "unfinished save was removed: free space and resume with experiment.start_from_scratch=false")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 if absent)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) if path.exists() else 0
 
 
 def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> Path:

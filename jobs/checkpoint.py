@@ -3,6 +3,8 @@
 ``<dir>/policy/``  the model (safetensors, config, tokenizer): the whole 16-bit weights under ZeRO-3, saved once;
 ``<dir>/trainer/`` optimizer (sharded under ZeRO), RNG states, and ``loop.json`` (step counters, LR schedule, the
                    launch it was saved under); ``<dir>/DONE`` marks a complete checkpoint.
+The weights are stored once: ``trainer/`` holds no second copy of them (a run resumes its weights from ``policy/``),
+except under DeepSpeed, whose engine writes its own partitioned model states beside the optimizer's.
 A checkpoint saved by another number of processes (or another launcher) resumes its weights only: the optimizer
 state starts fresh, and the run says so.
 """
@@ -10,23 +12,46 @@ state starts fresh, and the run says so.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from core.files import RunDirError, write_atomic
+from accelerate.utils import DistributedType
+
+from core.files import RunDirError, run_dir_entries, write_atomic
 from jobs.dist import barrier, is_main
 
 
 def clear_for_fresh_run(root: Path, overwrite: bool, accelerator: Any) -> None:
-    """A fresh training run needs an empty run directory: refuse a used one unless ``overwrite`` (then remove it)."""
-    if root.is_dir() and any(root.iterdir()):
+    """A fresh training run needs an empty run directory (its lock aside): refuse a used one unless ``overwrite``
+    (then empty it)."""
+    entries = run_dir_entries(root)
+    if entries:
         if not overwrite:
             raise RunDirError(f"run directory {root} is not empty; resume it with experiment.start_from_scratch="
                               "false, or replace it with experiment.overwrite=true")
         if is_main(accelerator):
-            shutil.rmtree(root)
+            for p in entries:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         barrier(accelerator)
+
+
+@contextmanager
+def _without_model_weights(acc: Any):
+    """accelerate's save_state / load_state minus the model weights (``policy/`` holds them); DeepSpeed keeps its
+    engine checkpoint whole."""
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        yield
+        return
+    handles = [acc.register_save_state_pre_hook(lambda models, weights, out: weights.clear()),
+               acc.register_load_state_pre_hook(lambda models, inp: models.clear())]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def save_checkpoint(trainer: Any, ckpt: Path, extra: dict | None = None) -> None:
@@ -37,7 +62,8 @@ def save_checkpoint(trainer: Any, ckpt: Path, extra: dict | None = None) -> None
     if main:
         acc.unwrap_model(model).save_pretrained(ckpt / "policy", state_dict=state, safe_serialization=True)
         trainer.adapter.tokenizer.save_pretrained(ckpt / "policy")
-    acc.save_state(str(ckpt / "trainer"))
+    with _without_model_weights(acc):
+        acc.save_state(str(ckpt / "trainer"))
     if main:
         write_atomic(ckpt / "trainer" / "loop.json", json.dumps({
             "rl_step": trainer.rl_step, "schedule": trainer.schedule.state_dict(),
@@ -58,10 +84,47 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> dict:
     same = (loop.get("num_processes"), loop.get("distributed_type")) == (acc.num_processes,
                                                                          str(acc.distributed_type))
     if same:
-        acc.load_state(str(ckpt / "trainer"))
+        with _without_model_weights(acc):
+            acc.load_state(str(ckpt / "trainer"))
     elif is_main(acc):
         print(f"note: {ckpt} was saved by {loop.get('num_processes')} process(es) "
               f"({loop.get('distributed_type')}); resuming the weights with a fresh optimizer state", flush=True)
     trainer.rl_step = int(loop["rl_step"])
     trainer.schedule.load_state_dict(loop["schedule"])
     return loop
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why checkpoint ``ckpt`` cannot be resumed (a file missing, truncated or unreadable), or None.
+
+    Cheap: safetensors headers are checked against the file size, torch archives are opened through their central
+    directory (at the end of the file, so a truncated archive fails) without reading the tensors.
+    """
+    import torch
+    from safetensors import safe_open
+
+    if not is_complete(ckpt):
+        return "no DONE marker"
+    policy, trainer = ckpt / "policy", ckpt / "trainer"
+    if not list(policy.glob("*.safetensors")):
+        return f"{policy} holds no weights"
+    for path in (policy / "config.json", trainer / "loop.json"):
+        try:
+            json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            return f"{path.relative_to(ckpt)}: {type(err).__name__}: {err}"
+    for path in sorted(ckpt.rglob("*")):
+        if not path.is_file():
+            continue
+        try:
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as fh:
+                    fh.keys()
+            elif path.suffix in (".bin", ".pt"):
+                torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            elif path.suffix == ".pkl":
+                with path.open("rb") as fh:
+                    pickle.load(fh)
+        except Exception as err:  # noqa: BLE001 - any failure to read means "not resumable"; the caller says which
+            return f"{path.relative_to(ckpt)}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None

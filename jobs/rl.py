@@ -18,8 +18,12 @@ Run directory ``{output_dir}/{project}/``::
 
 A step directory is written as ``step_<i>.partial`` and renamed when complete, so a killed run (SIGKILL
 included) leaves only complete steps and partial ones. Resuming (``experiment.start_from_scratch=false``)
-restarts from the newest complete step with a checkpoint; later steps are removed and redone. Every random draw
-is keyed by (seed, step), so the resumed run reproduces the uninterrupted one.
+restarts from the newest complete step whose checkpoint reads back (an unreadable one is skipped with a notice);
+later steps are removed and redone, and ``metrics.jsonl``, ``curves.png`` and the ``ckpt/`` links are derived
+again from the complete steps, so resuming a finished run repairs whatever a kill left behind. A run directory
+with no complete checkpoint (killed during the step-0 evaluation) resumes from the starting model. Every random
+draw is keyed by (seed, step), so the resumed run reproduces the uninterrupted one. The directory is locked
+(``.lock``) while a process runs it; it may be moved or renamed between runs.
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ from typing import Any
 from accelerate.utils import DistributedType
 
 from core.config import config_text
-from core.files import RunDirError, write_atomic
+from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
 from core.schema import replace as replace_settings
 from core.schema import to_dict
-from jobs.checkpoint import clear_for_fresh_run, is_complete, load_checkpoint, save_checkpoint
-from jobs.dist import barrier, is_main
+from data.prompts import prompt_ids
+from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, is_complete, load_checkpoint, save_checkpoint
+from jobs.dist import barrier, gather_objects, is_main
 from jobs.evaluate import default_device, ensure_demo_model, evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
 from models.registry import load_model
@@ -57,8 +62,10 @@ from train.value_trainer import ValueTrainer, value_advantages
 
 STEP_PREFIX, PARTIAL = "step_", ".partial"
 # Keys that may change when a run is resumed (the rest must match the run's config.yaml).
+# A run's identity is not its path: the directory may be moved (output_dir) or renamed (project) between runs.
 RESUMABLE_CHANGES = ("experiment.total_step", "experiment.start_from_scratch", "experiment.overwrite",
-                     "experiment.eval_every", "experiment.save_every")
+                     "experiment.eval_every", "experiment.save_every", "experiment.keep_checkpoints",
+                     "experiment.max_idle_steps", "experiment.output_dir", "experiment.project")
 
 
 # ------------------------------------------------------------------------------------------ run directory
@@ -81,9 +88,28 @@ class RunDir:
                 out.append(int(suffix))
         return sorted(out)
 
+    def checkpoints(self) -> list[int]:
+        """Complete steps holding a complete checkpoint, oldest first."""
+        return [i for i in self.complete_steps() if is_complete(self.step(i) / "ckpt")]
+
     def last_checkpoint(self) -> int | None:
-        ckpts = [i for i in self.complete_steps() if is_complete(self.step(i) / "ckpt")]
-        return max(ckpts, default=None)
+        return max(self.checkpoints(), default=None)
+
+    def resumable_checkpoint(self) -> int | None:
+        """The newest checkpoint that reads back; each unreadable newer one is named in a one-line notice."""
+        for i in reversed(self.checkpoints()):
+            problem = checkpoint_problem(self.step(i) / "ckpt")
+            if problem is None:
+                return i
+            print(f"note: the checkpoint of step {i} cannot be resumed ({problem}); falling back to the step "
+                  "before it", flush=True)
+        return None
+
+    def prune_checkpoints(self, keep: int) -> None:
+        """Keep the ``keep`` newest checkpoints (0: all); older steps keep their rollouts, metrics and evaluation."""
+        if keep:
+            for i in self.checkpoints()[:-keep]:
+                shutil.rmtree(self.step(i) / "ckpt")
 
     def discard_after(self, i: int) -> None:
         """Remove every step after ``i`` (complete or partial): they are redone."""
@@ -94,15 +120,23 @@ class RunDir:
 
     @contextmanager
     def staging(self, i: int, main: bool) -> Iterator[Path]:
-        """Write step ``i`` into ``step_i.partial``; rename it when the block completes."""
+        """Write step ``i`` into ``step_i.partial``; rename it when the block completes. A full disk removes the
+        partial step and becomes one line naming the directory and the bytes a step takes."""
         partial = self.root / f"{STEP_PREFIX}{i}{PARTIAL}"
-        if main:
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
-        yield partial
-        if main:
-            os.replace(partial, self.step(i))
+        try:
+            if main:
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+            yield partial
+            if main:
+                os.replace(partial, self.step(i))
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+            previous = self.complete_steps()
+            raise disk_full_error(partial, tree_bytes(self.step(previous[-1])) if previous else None) from None
 
     def metrics(self) -> list[dict]:
         return [json.loads((self.step(i) / "metrics.json").read_text()) for i in self.complete_steps()]
@@ -141,6 +175,23 @@ class RLJob:
         self.root = Path(cfg.experiment.output_dir) / cfg.experiment.project
         self.run = RunDir(self.root)
         self.timers: dict[str, float] = {}
+        self.lock: RunLock | None = None
+        self.tracker: Any = None
+
+    def close(self) -> None:
+        """End the tracker and release the run directory (the OS does it too if the process dies)."""
+        if self.tracker is not None:
+            self.tracker.finish()
+        if self.lock is not None:
+            self.lock.release()
+
+    def interrupted_detail(self) -> str:
+        """What an interrupted run leaves behind, and how to continue it."""
+        done = self.run.complete_steps()
+        if done:
+            return (f"steps up to {done[-1]} are complete in {self.root} (the step in progress is discarded when "
+                    "the run continues); continue with experiment.start_from_scratch=false")
+        return f"no step completed in {self.root}; start it again with experiment.start_from_scratch=false"
 
     # ------------------------------------------------------------ setup
 
@@ -153,6 +204,8 @@ class RLJob:
                                      gradient_accumulation_steps=t.gradient_accumulation_steps,
                                      micro_batch_size=t.batch_size_lm)
         self.main = is_main(self.acc)
+        if self.main:
+            self.lock = RunLock(self.root)
         resume_from = self._check_run_dir()
         if resume_from is None:
             if self.main:
@@ -165,6 +218,7 @@ class RLJob:
         for params in cfg.evaluation.runs():
             check_for_model("evaluation", params, self.adapter)
         self.tasks = load_tasks(cfg.dataset.train_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed)
+        self.drawable = self._drawable_tasks()
         self.eval_tasks = []
         if cfg.experiment.eval_every:
             self.eval_tasks = load_tasks(cfg.evaluation.eval_dataset, cfg.evaluation.data_type,
@@ -214,13 +268,17 @@ class RLJob:
         if exp.start_from_scratch:
             clear_for_fresh_run(self.root, exp.overwrite, self.acc)
             return None
-        last = self.run.last_checkpoint()
-        if last is None:
-            raise RunDirError(f"nothing to resume in {self.root}: no complete step with a checkpoint "
-                              "(start a new run with experiment.start_from_scratch=true)")
+        if not (self.root / "config.yaml").is_file():
+            raise RunDirError(f"nothing to resume in {self.root}: it holds no run (start a new run with "
+                              "experiment.start_from_scratch=true)")
         self._check_same_config()
+        last = self.run.resumable_checkpoint() if self.main else None
+        last = gather_objects(self.acc, [last])[0]  # rank 0's choice (it alone verified the files)
+        if last is None and self.main:
+            print(f"note: {self.root} holds no complete checkpoint yet; the run starts again from "
+                  "model.pretrained_model", flush=True)
         if self.main:
-            self.run.discard_after(last)
+            self.run.discard_after(-1 if last is None else last)
         barrier(self.acc)
         return last
 
@@ -236,6 +294,27 @@ class RLJob:
                 raise RunDirError(f"cannot resume {self.root}: '{key}' was {saved.get(key)!r} and is now "
                                   f"{now.get(key)!r} (only {', '.join(RESUMABLE_CHANGES)} may change)")
 
+    def _drawable_tasks(self) -> list[int]:
+        """Dataset rows a step may draw: those whose prompt fits ``training.max_prompt_len`` (a longer prompt's
+        samples would be dropped by training), and enough of them for ``rollout.num_task_per_step``."""
+        cfg, limit = self.cfg, self.cfg.training.max_prompt_len
+        name, k = cfg.dataset.train_dataset, cfg.rollout.num_task_per_step
+        rows = range(len(self.tasks))
+        if limit is not None:
+            lengths = [len(prompt_ids(self.adapter, self.tasks[i], cfg.dataset.data_type, cfg.rollout.start_with_think))
+                       for i in rows]
+            rows = [i for i in rows if lengths[i] <= limit]
+            if not rows:
+                raise RunDirError(f"no prompt of {name} fits training.max_prompt_len={limit} (the shortest has "
+                                  f"{min(lengths)} tokens)")
+            if len(rows) < len(self.tasks) and self.main:
+                print(f"note: {len(self.tasks) - len(rows)} of {len(self.tasks)} tasks of {name} have prompts over "
+                      f"training.max_prompt_len={limit} and are never drawn", flush=True)
+        if len(rows) < k:
+            raise RunDirError(f"{name} has {len(rows)} usable tasks, fewer than rollout.num_task_per_step={k}: "
+                              "lower num_task_per_step or use a bigger dataset")
+        return list(rows)
+
     def _optimizer_steps(self) -> int:
         """Optimiser steps of the whole run (for decaying LR schedules): one per RL step unless samples_per_step
         splits a step's samples."""
@@ -249,15 +328,23 @@ class RLJob:
 
     def run_steps(self, first: int) -> list[dict]:
         cfg = self.cfg
+        if first > 1:  # a resumed run: its outputs may lag behind its steps (a kill after a step's rename)
+            self._finalise()
         if first == 1 and cfg.experiment.eval_every:
             with self.run.staging(0, self.main) as d:
                 metrics = {"step": 0, **self._evaluate(d)}
                 self._write_metrics(d, metrics)
             self._after_step(metrics)
+        idle = 0
         for step in range(first, cfg.experiment.total_step + 1):
             with self.run.staging(step, self.main) as d:
                 metrics = self.one_step(step, d)
             self._after_step(metrics)
+            idle = idle + 1 if metrics["optimizer_steps"] == 0 else 0
+            if cfg.experiment.max_idle_steps and idle >= cfg.experiment.max_idle_steps:
+                raise RunDirError(f"{idle} steps in a row (steps {step - idle + 1}..{step}) made no optimizer "
+                                  f"update: {_idle_cause(metrics)}; stopping (experiment.max_idle_steps="
+                                  f"{cfg.experiment.max_idle_steps})")
         return self.run.metrics() if self.main else []
 
     def one_step(self, step: int, out: Path) -> dict:
@@ -276,6 +363,8 @@ class RLJob:
                     value_metrics = _value_summary(self._timed("train_value",
                                                                lambda: self.value.train_step(kept, returns)))
             train_metrics = self._timed("train", lambda: self.trainer.train_step(kept, policy_adv))
+            # what training actually used: the views drop samples too (an over-long prompt, an empty response)
+            summary["kept"] -= len(gather_objects(self.acc, self.trainer.dropped))
         else:
             self.trainer.rl_step += 1  # keep the step-keyed random draws aligned with the step number
         metrics = {"step": step, **_rollout_metrics(trajs, stats), **summary, **_train_summary(train_metrics),
@@ -305,7 +394,8 @@ class RLJob:
 
     def _sample(self, step: int) -> tuple[list[Trajectory], dict]:
         cfg = self.cfg
-        chosen = draw_tasks(len(self.tasks), cfg.rollout.num_task_per_step, cfg.experiment.seed, step)
+        chosen = [self.drawable[i] for i in draw_tasks(len(self.drawable), cfg.rollout.num_task_per_step,
+                                                        cfg.experiment.seed, step)]
         subset = [self.tasks[i] for i in chosen]
         with sampling_weights(self.trainer):
             trajs, stats = sample_scored(self.adapter, subset, cfg.dataset.data_type, cfg.rollout, cfg.execute,
@@ -361,32 +451,52 @@ class RLJob:
         barrier(self.acc)
         if not self.main:
             return
-        history = self.run.metrics()
-        write_atomic(self.root / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in history))
-        _plot_curves(history, self.root / "curves.png")
+        self._finalise()
         if self.tracker is not None:
             self.tracker.log(_scalars(metrics), step=metrics["step"])
-        step = metrics["step"]
-        if is_complete(self.run.step(step) / "ckpt"):
-            _link(self.root / "ckpt" / self.cfg.model.optimized_name, self._policy_dir(step))
-            if self.value is not None:
-                _link(self.root / "ckpt" / self.cfg.model.optimized_value_name,
-                      self.run.step(step) / "ckpt" / "value" / "policy")
         print(format_line(metrics, self.cfg.experiment.total_step), flush=True)
+
+    def _finalise(self) -> None:
+        """Derive the run's outputs from its complete steps (idempotent): ``metrics.jsonl``, ``curves.png``, the
+        ``ckpt/`` links to the newest checkpoint, and the pruning of old checkpoints."""
+        if not self.main:
+            return
+        try:
+            history = self.run.metrics()
+            write_atomic(self.root / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in history))
+            _plot_curves(history, self.root / "curves.png")
+            last = self.run.last_checkpoint()
+            if last is None:  # a restarted run: no checkpoint yet, no link to a discarded one
+                for name in (self.cfg.model.optimized_name, self.cfg.model.optimized_value_name):
+                    (self.root / "ckpt" / name).unlink(missing_ok=True)
+            else:
+                _link(self.root / "ckpt" / self.cfg.model.optimized_name, self._policy_dir(last))
+                if self.value is not None:
+                    _link(self.root / "ckpt" / self.cfg.model.optimized_value_name,
+                          self.run.step(last) / "ckpt" / "value" / "policy")
+            self.run.prune_checkpoints(self.cfg.experiment.keep_checkpoints)
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            raise disk_full_error(self.root, None) from None
 
 
 def run_rl(cfg: Any, progress: bool = True) -> list[dict]:
     """rl.py: run (or resume) the RL loop; returns the metrics of every complete step (main process)."""
     job = RLJob(cfg, progress)
-    first = job.prepare()
-    if job.main:
-        print(f"run directory: {job.root}  (steps {first}..{cfg.experiment.total_step}, "
-              f"{job.acc.num_processes} process(es), {describe_sandbox(cfg)})", flush=True)
     try:
+        first = job.prepare()
+        total = cfg.experiment.total_step
+        if job.main:
+            todo = f"steps {first}..{total}" if first <= total else f"all {total} steps done; outputs checked"
+            print(f"run directory: {job.root}  ({todo}, {job.acc.num_processes} process(es), "
+                  f"{describe_sandbox(cfg)})", flush=True)
         history = job.run_steps(first)
+    except KeyboardInterrupt as err:
+        err.detail = job.interrupted_detail()
+        raise
     finally:
-        if job.tracker is not None:
-            job.tracker.finish()
+        job.close()
     evals = [m for m in history if "eval_acc" in m]
     if job.main and len(evals) >= 2:
         a, b = evals[0], evals[-1]
@@ -539,3 +649,11 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+
+
+def _idle_cause(metrics: dict) -> str:
+    """The likely reason a step trained nothing."""
+    if metrics.get("samples", 0) and not metrics.get("kept"):
+        return ("every group was filtered (all responses scored alike or outside reward.acc_low..acc_high; "
+                f"dropped by: {metrics.get('dropped_by')})")
+    return "no sample reached training"
