@@ -12,7 +12,6 @@ state starts fresh, and the run says so.
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,11 +119,8 @@ def checkpoint_problem(ckpt: Path) -> str | None:
             if path.suffix == ".safetensors":
                 with safe_open(str(path), framework="pt") as fh:
                     fh.keys()
-            elif path.suffix in (".bin", ".pt"):
+            elif path.suffix in (".bin", ".pt", ".pkl"):  # torch.save archives (accelerate's RNG states too)
                 torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-            elif path.suffix == ".pkl":
-                with path.open("rb") as fh:
-                    pickle.load(fh)
         except Exception as err:  # noqa: BLE001 - any failure to read means "not resumable"; the caller says which
             return f"{path.relative_to(ckpt)}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     return None

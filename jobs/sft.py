@@ -18,20 +18,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from core.config import config_text
-from core.files import RunDirError, write_atomic
+from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
 from core.schema import replace
 from data.formats import DataFormatError, read_raw_rows
 from data.prompts import prompt_ids
 from data.tasks import arithmetic_task
-from jobs.checkpoint import clear_for_fresh_run, is_complete, load_checkpoint, save_checkpoint
+from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, load_checkpoint, save_checkpoint
 from jobs.dist import barrier, is_main
 from jobs.evaluate import default_device, ensure_demo_model
 from models.registry import family_spec, load_model
@@ -161,6 +163,11 @@ class SFTJob:
         self.cfg, self.progress = cfg, progress
         self.root = Path(cfg.experiment.output_dir) / cfg.experiment.project
         self.last = self.root / "ckpt" / "last"
+        self.lock: RunLock | None = None
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     def prepare(self) -> int:
         """Run directory, model, data, trainer; returns the first optimiser step to run (0-based)."""
@@ -170,6 +177,8 @@ class SFTJob:
                                      gradient_accumulation_steps=t.gradient_accumulation_steps,
                                      micro_batch_size=t.batch_size_lm)
         self.main = is_main(self.acc)
+        if self.main:
+            self.lock = RunLock(self.root)  # released by the OS when this process ends
         resume = self._check_run_dir()
         if self.main and not resume:
             ensure_demo_model(cfg.model)
@@ -196,8 +205,10 @@ class SFTJob:
     def _check_run_dir(self) -> bool:
         exp = self.cfg.experiment
         if not exp.start_from_scratch:
-            if not is_complete(self.last):
-                raise RunDirError(f"nothing to resume in {self.root}: no complete checkpoint at {self.last}")
+            problem = checkpoint_problem(self.last)
+            if problem is not None:
+                raise RunDirError(f"nothing to resume in {self.root}: the checkpoint {self.last} cannot be resumed "
+                                  f"({problem})")
             return True
         clear_for_fresh_run(self.root, exp.overwrite, self.acc)
         return False
@@ -247,9 +258,11 @@ class SFTJob:
         bar.close()
         self._save(self.total, history)
         if self.main:
-            if out.exists():
-                shutil.rmtree(out)
-            shutil.copytree(self.last / "policy", out)
+            with self._disk_full_as_error(out):
+                if out.exists():
+                    shutil.rmtree(out)
+                # hard links: the final model is a folder of its own that takes no second copy of the weights
+                shutil.copytree(self.last / "policy", out, copy_function=_link_or_copy)
         barrier(self.acc)
         return out
 
@@ -259,23 +272,50 @@ class SFTJob:
 
     def _save(self, step: int, history: list[dict]) -> None:
         tmp = self.root / "ckpt" / "last.partial"
-        if self.main and tmp.exists():
-            shutil.rmtree(tmp)
+        with self._disk_full_as_error(tmp):
+            if self.main and tmp.exists():
+                shutil.rmtree(tmp)
+            barrier(self.acc)
+            save_checkpoint(self.trainer, tmp, {"step": step})
+            if self.main:
+                write_atomic(self.root / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+                if self.last.exists():
+                    shutil.rmtree(self.last)
+                tmp.rename(self.last)
         barrier(self.acc)
-        save_checkpoint(self.trainer, tmp, {"step": step})
-        if self.main:
-            write_atomic(self.root / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
-            if self.last.exists():
-                shutil.rmtree(self.last)
-            tmp.rename(self.last)
-        barrier(self.acc)
+
+    @contextmanager
+    def _disk_full_as_error(self, where: Path):
+        """A full disk while writing ``where``: remove the unfinished folder, one line naming it and the size."""
+        try:
+            yield
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            shutil.rmtree(where, ignore_errors=True)
+            raise disk_full_error(where, tree_bytes(self.last) or None) from None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed there
+        shutil.copy2(src, dst)
 
 
 def run_sft(cfg: Any, progress: bool = True) -> Path:
     """Train ``cfg.model`` with SFT; returns the folder of the final model."""
     job = SFTJob(cfg, progress)
-    first = job.prepare()
-    if job.main:
-        print(f"sft: {len(job.samples)} samples, steps {first + 1}..{job.total}, run directory {job.root}",
-              flush=True)
-    return job.run(first)
+    try:
+        first = job.prepare()
+        if job.main:
+            print(f"sft: {len(job.samples)} samples, steps {first + 1}..{job.total}, run directory {job.root}",
+                  flush=True)
+        return job.run(first)
+    except KeyboardInterrupt as err:
+        err.detail = (f"{job.last} holds the last saved step (training.save_every); continue with "
+                      "experiment.start_from_scratch=false") if job.last.is_dir() else \
+            f"no checkpoint was saved in {job.root}; start again with experiment.overwrite=true"
+        raise
+    finally:
+        job.close()
