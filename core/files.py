@@ -64,8 +64,23 @@ def run_dir_entries(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.name != LOCK_NAME] if root.is_dir() else []
 
 
-def disk_full(err: BaseException) -> bool:
-    return isinstance(err, OSError) and err.errno in DISK_FULL
+def disk_full(err: BaseException, where: Path | None = None) -> bool:
+    """Whether ``err`` means the disk (or quota) is full. Some writers hide ENOSPC (torch.save's zip writer raises
+    ``RuntimeError: unexpected pos ...``): with ``where`` given, an OSError or RuntimeError while the device holding
+    ``where`` is (nearly) full counts too."""
+    chain, e = [], err
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(isinstance(e, OSError) and e.errno in DISK_FULL for e in chain):
+        return True
+    if where is None or not isinstance(err, (OSError, RuntimeError)):
+        return False
+    probe = next((p for p in [where, *where.parents] if p.exists()), None)
+    if probe is None:
+        return False
+    usage = shutil.disk_usage(probe)
+    return usage.free < min(2**20, usage.total * 0.05)
 
 
 def disk_full_error(where: Path, needed: int | None) -> RunDirError:

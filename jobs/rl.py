@@ -131,8 +131,8 @@ class RunDir:
             yield partial
             if main:
                 os.replace(partial, self.step(i))
-        except OSError as err:
-            if not disk_full(err):
+        except (OSError, RuntimeError) as err:
+            if not disk_full(err, partial):
                 raise
             shutil.rmtree(partial, ignore_errors=True)
             previous = self.complete_steps()
@@ -475,8 +475,8 @@ class RLJob:
                     _link(self.root / "ckpt" / self.cfg.model.optimized_value_name,
                           self.run.step(last) / "ckpt" / "value" / "policy")
             self.run.prune_checkpoints(self.cfg.experiment.keep_checkpoints)
-        except OSError as err:
-            if not disk_full(err):
+        except (OSError, RuntimeError) as err:
+            if not disk_full(err, self.root):
                 raise
             raise disk_full_error(self.root, None) from None
 

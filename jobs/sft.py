@@ -289,8 +289,8 @@ class SFTJob:
         """A full disk while writing ``where``: remove the unfinished folder, one line naming it and the size."""
         try:
             yield
-        except OSError as err:
-            if not disk_full(err):
+        except (OSError, RuntimeError) as err:
+            if not disk_full(err, where):
                 raise
             shutil.rmtree(where, ignore_errors=True)
             raise disk_full_error(where, tree_bytes(self.last) or None) from None

@@ -3,7 +3,8 @@
 Tiny random models never answer arithmetic correctly, so every group would be filtered and nothing trained. The
 stand-in scores a response by the parity of its token-id sum: varied within a group, deterministic, and a real
 function of what was sampled. ``RL_HARNESS_KILL=stage:step`` SIGKILLs the process inside that stage of that step
-(stages: sample, train, save), to test resuming.
+(stages: sample, train, save; ``after``: once the step directory is complete, before the run's outputs follow it),
+to test resuming.
 
     python tests/rl_harness.py config=configs/demo/rl_demo.yaml [key=value ...]
 """
@@ -34,7 +35,7 @@ def install(kill: str | None = None, patch=setattr) -> None:
     if not kill:
         return
     stage, step = kill.split(":")
-    timed, save = jobs.rl.RLJob._timed, jobs.rl.RLJob._save
+    timed, save, after = jobs.rl.RLJob._timed, jobs.rl.RLJob._save, jobs.rl.RLJob._after_step
 
     def killing_timed(self, name, fn):
         if name == stage and self.step == int(step):
@@ -48,7 +49,12 @@ def install(kill: str | None = None, patch=setattr) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return save(self, ckpt)
 
-    jobs.rl.RLJob._timed, jobs.rl.RLJob._save = killing_timed, killing_save
+    def killing_after(self, metrics):
+        if stage == "after" and metrics["step"] == int(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return after(self, metrics)
+
+    jobs.rl.RLJob._timed, jobs.rl.RLJob._save, jobs.rl.RLJob._after_step = killing_timed, killing_save, killing_after
 
 
 def dump_weights_at_end(path: str) -> None:

@@ -164,8 +164,10 @@ def test_interrupt_leaves_a_marked_partial_run(world, tmp_path, sig, code, word)
     args = [f"config={DEMO}", f"model.pretrained_model={world / 'sdar'}", f"experiment.output_dir={tmp_path}",
             "experiment.project=cut", "rollout.max_token=2000", "rollout.num_response_per_task=8"]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    # a launcher may leave SIGINT ignored (nohup, a background job), and the child would inherit that: set it here
     proc = subprocess.Popen([sys.executable, "eval.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     partial = tmp_path / "cut.partial"
     deadline = time.monotonic() + 120
     while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:

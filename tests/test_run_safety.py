@@ -1,0 +1,297 @@
+"""Run directories that nothing breaks: the lock, outputs re-derived on resume, fallback past an unreadable
+checkpoint, moved directories, bounded disk use, degenerate settings, a full disk, interrupts, a storm of kills."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core.config import load_config
+from core.files import RunDirError
+from models.tiny import save_tiny_checkpoint
+from tests.test_rl import _harness, comparable, demo_args, weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, demo_tokenizer):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("safety") / "sdar", "sdar", demo_tokenizer, size="test")
+
+
+@pytest.fixture
+def rl(monkeypatch):
+    """run_rl with the harness's stand-in reward: ``rl(out, model, **overrides)`` -> history."""
+    from tests import rl_harness
+
+    rl_harness.install(patch=monkeypatch.setattr)
+    from jobs.rl import run_rl
+
+    def run(out: Path, model: Path, **over):
+        return run_rl(load_config(demo_args(out, model, **over), "rl"), progress=False)
+
+    return run
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _link_target(run: Path) -> Path:
+    return Path(os.path.realpath(run / "ckpt" / "optimized"))
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RL_HARNESS"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return env
+
+
+def _error_lines(err: str) -> list[str]:
+    return [x for x in err.splitlines() if x.startswith(("error:", "interrupted:", "terminated:"))]
+
+
+# ------------------------------------------------------------------------------------------ lock
+
+
+def test_a_live_run_directory_is_locked_and_a_dead_holders_lock_is_taken_over(tmp_path, model, rl):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from core.files import RunLock; RunLock(Path(sys.argv[1])); print('held', flush=True); "
+                               "time.sleep(600)", str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.run([sys.executable, "rl.py", *demo_args(tmp_path, model)], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert _error_lines(proc.stderr) == [f"error: run directory {run} is in use by a live run (pid {holder.pid}); "
+                                             "wait for it to end, stop it, or choose another experiment.project"]
+        for extra in ({"experiment.overwrite": "true"}, {"experiment.start_from_scratch": "false"}):
+            with pytest.raises(RunDirError, match=f"in use by a live run \\(pid {holder.pid}\\)"):
+                rl(tmp_path, model, **extra)
+        assert [p.name for p in run.iterdir()] == [".lock"]  # nothing of the live run was touched
+    finally:
+        holder.kill()
+        holder.wait()
+    history = rl(tmp_path, model, **{"experiment.total_step": 1})  # the dead holder's lock is taken over
+    assert [m["step"] for m in history] == [1]
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+
+def test_resume_rederives_outputs_and_falls_back_past_an_unreadable_checkpoint(tmp_path, model, rl):
+    whole = rl(tmp_path / "whole", model)
+    run = tmp_path / "a" / "run"
+    rl(tmp_path / "a", model)
+    assert _link_target(run) == (run / "step_3" / "ckpt" / "policy").resolve()
+    assert not list((run / "step_3" / "ckpt" / "trainer").glob("*.safetensors"))  # the weights are stored once
+    # a kill right after the last rename: stale link, metrics and curves; resuming repairs them and runs no step
+    os.replace(run / "ckpt" / "optimized", run / "ckpt" / "kept")
+    (run / "ckpt" / "optimized").symlink_to(os.path.relpath(run / "step_2" / "ckpt" / "policy", run / "ckpt"))
+    (run / "metrics.jsonl").write_text(json.dumps(whole[0]) + "\n")
+    (run / "curves.png").unlink()
+    history = rl(tmp_path / "a", model, **{"experiment.start_from_scratch": "false"})
+    assert comparable(history) == comparable(whole) == comparable(_metrics(run))
+    assert _link_target(run) == (run / "step_3" / "ckpt" / "policy").resolve() and (run / "curves.png").is_file()
+
+    # a truncated newest policy checkpoint: one notice, the previous step resumes and step 3 is redone exactly
+    policy = run / "step_3" / "ckpt" / "policy" / "model.safetensors"
+    policy.write_bytes(policy.read_bytes()[:1000])
+    rl(tmp_path / "a", model, **{"experiment.start_from_scratch": "false"})
+    reference = weights(tmp_path / "whole" / "run" / "step_3")
+    assert all(torch.equal(v, reference[k]) for k, v in weights(run / "step_3").items())
+    # a truncated optimizer state likewise
+    optim = run / "step_3" / "ckpt" / "trainer" / "optimizer.bin"
+    optim.write_bytes(optim.read_bytes()[:-100])
+    history = rl(tmp_path / "a", model, **{"experiment.start_from_scratch": "false"})
+    assert comparable(history) == comparable(whole)
+
+
+def test_a_truncated_checkpoint_is_named_in_one_notice(tmp_path, model, rl, capsys):
+    run = tmp_path / "run"
+    rl(tmp_path, model, **{"experiment.total_step": 2})
+    optim = run / "step_2" / "ckpt" / "trainer" / "optimizer.bin"
+    optim.write_bytes(optim.read_bytes()[:-100])
+    capsys.readouterr()
+    rl(tmp_path, model, **{"experiment.total_step": 2, "experiment.start_from_scratch": "false"})
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:")]
+    assert len(notes) == 1 and "step 2 cannot be resumed (trainer/optimizer.bin:" in notes[0]
+    assert "falling back to the step before it" in notes[0]
+
+
+def test_a_moved_run_directory_resumes_and_old_checkpoints_are_pruned(tmp_path, model, rl):
+    rl(tmp_path / "old", model, **{"experiment.total_step": 2, "experiment.keep_checkpoints": 2})
+    shutil.move(tmp_path / "old" / "run", tmp_path / "new_place")
+    history = rl(tmp_path, model, **{"experiment.project": "new_place", "experiment.total_step": 4,
+                                     "experiment.keep_checkpoints": 2, "experiment.start_from_scratch": "false"})
+    run = tmp_path / "new_place"
+    assert [m["step"] for m in history] == [1, 2, 3, 4]
+    assert [i for i in range(1, 5) if (run / f"step_{i}" / "ckpt").exists()] == [3, 4]
+    assert all((run / f"step_{i}" / "rollouts.jsonl").is_file() for i in range(1, 5))  # logs are kept
+    assert _link_target(run) == (run / "step_4" / "ckpt" / "policy").resolve()
+
+
+# ------------------------------------------------------------------------------------------ degenerate settings
+
+
+def test_too_few_tasks_and_prompts_over_the_limit(tmp_path, model, rl, capsys):
+    with pytest.raises(RunDirError, match="has 64 usable tasks, fewer than rollout.num_task_per_step=65"):
+        rl(tmp_path, model, **{"rollout.num_task_per_step": 65})
+    with pytest.raises(RunDirError, match="no prompt of builtin:arithmetic fits training.max_prompt_len=3 "
+                                          r"\(the shortest has \d+ tokens\)"):
+        rl(tmp_path, model, **{"training.max_prompt_len": 3})
+
+
+def test_tasks_over_max_prompt_len_are_never_drawn(tmp_path, model, rl, capsys):
+    from data.prompts import prompt_ids
+    from models.registry import load_model
+
+    rows = [{"question": f"What is {i} + 1?" + (" Think about it carefully." * 4 if i % 2 else ""),
+             "ground_truth_answer": str(i + 1)} for i in range(10)]
+    data = tmp_path / "mixed.json"
+    data.write_text(json.dumps(rows))
+    adapter = load_model(load_config(demo_args(tmp_path, model), "rl").model, device="cpu")
+    lengths = [len(prompt_ids(adapter, r, "math")) for r in rows]
+    limit = max(lengths[0::2])
+    assert limit < min(lengths[1::2])  # the even rows fit, the odd ones do not
+    capsys.readouterr()
+    history = rl(tmp_path, model, **{"training.max_prompt_len": limit, "experiment.total_step": 2,
+                                     "dataset.train_dataset": str(data)})
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:")]
+    assert notes == [f"note: 5 of 10 tasks of {data} have prompts over training.max_prompt_len={limit} and are "
+                     "never drawn"]
+    drawn = {json.loads(x)["task_index"] for i in (1, 2)
+             for x in (tmp_path / "run" / f"step_{i}" / "rollouts.jsonl").read_text().splitlines()}
+    assert drawn and all(i % 2 == 0 for i in drawn)
+    assert all(m["kept"] == m["samples"] - m["dropped"] and m["optimizer_steps"] >= 1 for m in history)
+
+
+def test_steps_without_an_update_stop_the_run(tmp_path, model, rl):
+    # acc_low > acc_high keeps no group: every step trains nothing
+    with pytest.raises(RunDirError, match=r"2 steps in a row \(steps 1..2\) made no optimizer update: every group "
+                                          r"was filtered .*experiment.max_idle_steps=2"):
+        rl(tmp_path, model, **{"reward.acc_low": 0.9, "reward.acc_high": 0.95, "experiment.max_idle_steps": 2})
+    lines = _metrics(tmp_path / "run")
+    assert [(m["step"], m["kept"], m["optimizer_steps"]) for m in lines] == [(1, 0, 0), (2, 0, 0)]
+
+
+# ------------------------------------------------------------------------------------------ full disk
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_step(tmp_path, model, rl, monkeypatch):
+    import jobs.rl
+
+    real = jobs.rl.save_checkpoint
+
+    def full_at_step_2(trainer, ckpt, extra=None):
+        if ckpt.parent.name == "step_2.partial":
+            (ckpt / "policy").mkdir(parents=True)
+            (ckpt / "policy" / "model.safetensors").write_bytes(b"x" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(trainer, ckpt, extra)
+
+    monkeypatch.setattr(jobs.rl, "save_checkpoint", full_at_step_2)
+    with pytest.raises(RunDirError, match=r"no space left on the device while writing .*step_2.partial \(.* MB free; "
+                                          r"a save of this run needs about .* MB\)"):
+        rl(tmp_path, model)
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_1"]
+    monkeypatch.setattr(jobs.rl, "save_checkpoint", real)
+    assert [m["step"] for m in rl(tmp_path, model, **{"experiment.start_from_scratch": "false"})] == [1, 2, 3]
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return os.geteuid() == 0 and shutil.which("mount") is not None and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def test_a_real_full_disk_through_rl_py(tmp_path, model):
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "256k"):
+        pytest.skip("needs root and tmpfs mounts (a stubbed writer covers the same path in-process)")
+    try:
+        args = demo_args(disk, model, **{"experiment.total_step": 1})
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "rl_harness.py"), *args], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        lines = _error_lines(proc.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: no space left on the device while writing "), lines
+        assert not list((disk / "run").glob("*.partial"))
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = _harness([*args, "experiment.start_from_scratch=false"])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert (disk / "run" / "step_1" / "ckpt" / "DONE").is_file()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+# ------------------------------------------------------------------------------------------ signals
+
+
+def test_sigint_during_the_step0_evaluation_then_resume(tmp_path, model):
+    args = demo_args(tmp_path, model, **{"experiment.eval_every": 1, "evaluation.num_response_per_task": 8,
+                                         "evaluation.max_token": 64, "experiment.total_step": 1})
+
+    def default_sigint():  # a launcher may have left SIGINT ignored (nohup, `&`): this child must take it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rl_harness.py"), *args], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    partial = tmp_path / "run" / "step_0.partial"
+    deadline = time.monotonic() + 120
+    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # inside the step-0 evaluation (512 samples of 64 tokens take seconds)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert _error_lines(err) == [f"interrupted: no step completed in {tmp_path / 'run'}; start it again with "
+                                 "experiment.start_from_scratch=false"]
+    resumed = _harness([*args, "experiment.start_from_scratch=false"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "holds no complete checkpoint yet; the run starts again" in resumed.stdout
+    assert [m["step"] for m in _metrics(tmp_path / "run")] == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------ kill storm
+
+
+@pytest.mark.slow
+def test_a_storm_of_kills_ends_where_an_uninterrupted_run_ends(tmp_path, model):
+    over = {"experiment.total_step": 4, "experiment.eval_every": 2, "experiment.save_every": 1}
+    whole = tmp_path / "whole"
+    assert _harness(demo_args(whole, model, **over)).returncode == 0
+    rng = random.Random(20261125)
+    stages = ("sample", "train", "save", "after")
+    points = rng.sample([(s, i) for i in range(1, 5) for s in stages], 3)
+    kills = sorted(points, key=lambda k: (k[1], stages.index(k[0])))
+    if ("after", 4) not in kills:
+        kills.append(("after", 4))  # the last step renamed, the run's outputs not yet
+    out = tmp_path / "storm"
+    for n, (stage, step) in enumerate(kills):
+        resume = {"experiment.start_from_scratch": "false"} if n else {}
+        killed = _harness(demo_args(out, model, **over, **resume), kill=f"{stage}:{step}")
+        assert killed.returncode == -9, (stage, step, killed.stderr[-3000:])
+    final = _harness(demo_args(out, model, **over, **{"experiment.start_from_scratch": "false"}))
+    assert final.returncode == 0, final.stderr[-3000:]
+    a, b = whole / "run", out / "run"
+    assert comparable(_metrics(a)) == comparable(_metrics(b)), kills
+    assert os.path.relpath(_link_target(b), b) == os.path.relpath(_link_target(a), a) == "step_4/ckpt/policy"
+    end_a, end_b = load_file(str(a / "step_4/ckpt/policy/model.safetensors")), weights(b / "step_4")
+    assert all(torch.equal(end_a[k], v) for k, v in end_b.items())
+    assert (a / "curves.png").read_bytes() == (b / "curves.png").read_bytes()
+    assert not list(b.glob("*.partial"))
