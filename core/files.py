@@ -38,10 +38,13 @@ class RunLock:
     lock when its holder dies (SIGKILL included), so a dead holder's lock is simply taken over.
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, path: Path | None = None):
+        """Lock run directory ``root`` through ``root/.lock``, or through ``path`` (a directory that is replaced as
+        a whole, such as a staged run, keeps its lock beside it)."""
         import fcntl
 
-        self.path = make_run_dir(root) / LOCK_NAME
+        self.path = path or make_run_dir(root) / LOCK_NAME
+        make_run_dir(self.path.parent)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,7 +132,9 @@ class StagedRun:
         self.partial = self.final.with_name(self.final.name + PARTIAL_SUFFIX)
         if self.final.exists() and not self.final.is_dir():
             raise RunDirError(f"output path {self.final} exists and is not a directory")
+        self.lock = RunLock(self.final, self.final.with_name(f".{self.final.name}.lock"))
         if self.final.is_dir() and any(self.final.iterdir()) and not overwrite:
+            self.lock.release()
             raise RunDirError(f"output directory {self.final} is not empty (a previous run); pass "
                               "experiment.overwrite=true to replace it, or choose another experiment.project / "
                               "experiment.output_dir")
@@ -148,9 +153,11 @@ class StagedRun:
         if self.final.exists():
             shutil.rmtree(self.final)
         os.replace(self.partial, self.final)
+        self.lock.release()
         return self.final
 
     def abandon(self, reason: str) -> Path:
         """Mark the partial run as interrupted; returns its folder."""
         write_atomic(self.partial / INTERRUPTED_MARK, reason + "\n")
+        self.lock.release()
         return self.partial

@@ -583,6 +583,8 @@ def format_line(m: dict, total: int) -> str:
     if "reward" in m:
         parts += [f"reward {m['reward']:.3f}", f"acc {m['acc']:.3f}", f"len {m['response_length']:.1f}",
                   f"tok/fwd {m['tokens_per_forward']:.2f}", f"kept {m['kept']}/{m['samples']}"]
+        if m.get("optimizer_steps") == 0:
+            parts.append("NO UPDATE")
         if "approx_kl" in m:
             parts += [f"kl {m['approx_kl']:.4f}", f"clip {m['clip_frac']:.3f}"]
         parts.append(f"ent {m['entropy']:.2f}")

@@ -295,3 +295,16 @@ def test_a_storm_of_kills_ends_where_an_uninterrupted_run_ends(tmp_path, model):
     assert all(torch.equal(end_a[k], v) for k, v in end_b.items())
     assert (a / "curves.png").read_bytes() == (b / "curves.png").read_bytes()
     assert not list(b.glob("*.partial"))
+
+
+def test_a_staged_evaluation_run_is_locked_while_it_runs(tmp_path):
+    from core.files import StagedRun
+
+    first = StagedRun(tmp_path / "eval")
+    with pytest.raises(RunDirError, match=f"in use by a live run \\(pid {os.getpid()}\\)"):
+        StagedRun(tmp_path / "eval", overwrite=True)  # would have removed the live run's partial folder
+    (first.dir / "results.jsonl").write_text("{}\n")
+    first.commit()
+    second = StagedRun(tmp_path / "eval", overwrite=True)  # released at commit
+    second.abandon("interrupted")
+    assert (tmp_path / "eval" / "results.jsonl").read_text() == "{}\n"
