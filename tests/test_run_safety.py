@@ -308,3 +308,32 @@ def test_a_staged_evaluation_run_is_locked_while_it_runs(tmp_path):
     second = StagedRun(tmp_path / "eval", overwrite=True)  # released at commit
     second.abandon("interrupted")
     assert (tmp_path / "eval" / "results.jsonl").read_text() == "{}\n"
+
+
+# ------------------------------------------------------------------------------------------ SFT runs
+
+
+def test_sft_is_locked_stores_its_weights_once_and_reports_a_full_disk(tmp_path, model, monkeypatch):
+    import jobs.sft
+    from core.files import RunLock
+    from jobs.sft import run_sft
+    from tests.test_sft import sft_args
+
+    args = sft_args(tmp_path, model, **{"training.max_steps": 4, "training.save_every": 2})
+    held = RunLock(tmp_path / "sft")
+    with pytest.raises(RunDirError, match=f"in use by a live run \\(pid {os.getpid()}\\)"):
+        run_sft(load_config(args, "sft"), progress=False)
+    held.release()
+    out = run_sft(load_config(args, "sft"), progress=False)
+    last = tmp_path / "sft" / "ckpt" / "last"
+    assert not list((last / "trainer").glob("*.safetensors"))
+    assert (out / "model.safetensors").stat().st_ino == (last / "policy" / "model.safetensors").stat().st_ino
+
+    def full(trainer, ckpt, extra=None):
+        (ckpt / "policy").mkdir(parents=True)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jobs.sft, "save_checkpoint", full)
+    with pytest.raises(RunDirError, match=r"no space left on the device while writing .*last.partial"):
+        run_sft(load_config([*args, "experiment.overwrite=true"], "sft"), progress=False)
+    assert not (tmp_path / "sft" / "ckpt" / "last.partial").exists()
