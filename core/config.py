@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from core.loader import ConfigError, load, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
+from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
 from train.settings import (
@@ -107,6 +108,9 @@ class RLModelConfig(TrainModelConfig):
     # A policy checkpoint to initialise a value model from (zero head); setting it enables value-guided TraceRL.
     value_base_model: str | None = None
     optimized_value_name: str = "optimized_value"  # {output_dir}/{project}/ckpt/{optimized_value_name}
+    # A judge LLM (a local folder, or the model name at process_reward.base_url); setting it enables the process
+    # reward (math; needs value_base_model: the value model turns per-token rewards into advantages)
+    process_reward_model: str | None = None
 
 
 @dataclass
@@ -292,6 +296,7 @@ class RLConfig(Settings):
     rollout: RLRollout = field(default_factory=RLRollout)
     execute: SandboxConfig = field(default_factory=SandboxConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
     training: RLTrainingConfig = field(default_factory=RLTrainingConfig)
     optimizer: RLOptimizerConfig = field(default_factory=RLOptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
@@ -303,6 +308,13 @@ class RLConfig(Settings):
         super().validate()
         check_builtin_type(self.dataset.train_dataset, self.dataset.data_type, "dataset.data_type")
         check_block_sizes(self.model, {"rollout": self.rollout, "evaluation": self.evaluation})
+        if self.model.process_reward_model:
+            if not self.model.value_base_model:
+                raise SettingError("model.process_reward_model", "the process reward needs the value model (set "
+                                   "model.value_base_model): it turns per-token rewards into advantages")
+            if self.dataset.data_type != "math":
+                raise SettingError("model.process_reward_model", "the process reward grades math solutions; "
+                                   f"dataset.data_type is {self.dataset.data_type!r}")
 
 
 @dataclass
@@ -336,10 +348,7 @@ SCHEMAS: dict[str, type] = {"rl": RLConfig, "eval": EvalConfig, "sft": SFTConfig
 FOLLOWS = {"rl": {"evaluation": "rollout"}}
 
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "rl": {
-        "model.process_reward_model": "the process-reward (RLHF) pipeline of the reference is not implemented",
-        "rollout.reward_model": "the process-reward (RLHF) pipeline of the reference is not implemented",
-    },
+    "rl": {},
     "eval": {},
     "sft": {},
 }

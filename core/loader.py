@@ -110,8 +110,22 @@ def _apply_renames(tree: dict[str, Any], src: str) -> dict[str, Any]:
     return _rename_interpolations(tree)
 
 
+# The reference's process-reward settings sit in rollout.reward_model; ours are the process_reward section.
+PROCESS_REWARD_RENAMES = {"reward_chunk_length": "chunk_length", "max_generation_token": "max_new_tokens"}
+
+
+def _move_reward_model(tree: dict[str, Any]) -> None:
+    rollout = tree.get("rollout")
+    if not isinstance(rollout, dict) or not isinstance(rollout.get("reward_model"), dict):
+        return
+    moved = {PROCESS_REWARD_RENAMES.get(k, k): v for k, v in rollout.pop("reward_model").items()}
+    tree["process_reward"] = {**moved, **(tree.get("process_reward") or {})}
+
+
 def _normalise_reference_form(tree: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite the reference eval form ``model: <path>`` + ``model_base: <name>`` to the nested form."""
+    """Rewrite the reference eval form ``model: <path>`` + ``model_base: <name>`` to the nested form, and its
+    ``rollout.reward_model`` section to ``process_reward``."""
+    _move_reward_model(tree)
     if isinstance(tree.get("model"), str):
         tree["model"] = {"pretrained_model": tree["model"]}
     if "model_base" in tree and (tree.get("model") is None or isinstance(tree.get("model"), dict)):

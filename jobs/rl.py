@@ -233,6 +233,11 @@ class RLJob:
         self.trainer = PolicyTrainer(self.adapter, cfg.training, policy_params, cfg.lr_scheduler,
                                      total_steps=self._optimizer_steps(), accelerator=self.acc, ref_model=ref)
         self.value = self._value_trainer(resume_from) if cfg.model.value_base_model else None
+        self.judge = None
+        if cfg.model.process_reward_model:
+            from reward.judges import build_judge
+
+            self.judge = build_judge(cfg.model.process_reward_model, cfg.process_reward, seed=cfg.experiment.seed)
         self.tracker = start_wandb(cfg) if self.main else None
         if resume_from is not None:
             self._load_trainer(self.run.step(resume_from) / "ckpt")
@@ -358,7 +363,11 @@ class RLJob:
         if kept:
             policy_adv: dict = advantages
             if self.value is not None:  # value-guided TraceRL: per-token step-level GAE advantages
-                policy_adv, returns = self._timed("values", lambda: self._gae(kept, advantages))
+                rewards: dict = advantages  # the group-normalised outcome, on each sample's last step
+                if self.judge is not None:
+                    process = self._timed("judge", lambda: self._process_rewards(kept))
+                    rewards, summary = process.token_rewards, {**summary, **process.metrics()}
+                policy_adv, returns = self._timed("values", lambda: self._gae(kept, rewards))
                 if step % cfg.experiment.train_value_every == 0:
                     value_metrics = _value_summary(self._timed("train_value",
                                                                lambda: self.value.train_step(kept, returns)))
@@ -381,7 +390,22 @@ class RLJob:
             self._write_metrics(out, metrics)
         return metrics
 
-    def _gae(self, kept: list[Trajectory], rewards: dict[str, float]) -> tuple[dict, dict]:
+    def _process_rewards(self, kept: list[Trajectory]):
+        """Per-token process rewards of the kept samples; the judge's prompts are shared out over the ranks."""
+        from reward.process import process_rewards
+
+        def judge(chats: list) -> list[str]:
+            rank, world = self.acc.process_index, self.acc.num_processes
+            mine = list(range(rank, len(chats), world))
+            answers = gather_objects(self.acc, list(zip(mine, self.judge([chats[i] for i in mine]), strict=True)))
+            return [a for _, a in sorted(answers)]
+
+        tok = self.adapter.tokenizer
+        return process_rewards(kept, self.tasks, lambda ids: tok.decode(ids, skip_special_tokens=True), judge,
+                               self.cfg.process_reward,
+                               self.cfg.rollout.block_for(self.adapter.attention, self.adapter.block_size))
+
+    def _gae(self, kept: list[Trajectory], rewards: dict) -> tuple[dict, dict]:
         values = self.value.token_values(kept)
         t = self.cfg.training
         return value_advantages(kept, rewards, values, t.gam, t.lam)

@@ -91,10 +91,11 @@ def _gather(accelerator: Any, items: list) -> list:
     return list(gather_object(items))
 
 
-def value_advantages(trajectories: Sequence[Trajectory], rewards: Mapping[str, float],
+def value_advantages(trajectories: Sequence[Trajectory], rewards: Mapping[str, float | Sequence[float]],
                      values: Mapping[str, Tensor], gamma: float, lam: float) -> tuple[dict, dict]:
-    """Per sample id, per-token (advantages, returns) from outcome rewards placed on each sample's last trained step
-    and the old values; tokens without a value (not trained) get 0 and do not take part."""
+    """Per sample id, per-token (advantages, returns) from the old values and each sample's reward: a scalar
+    (outcome) is placed on the sample's last trained step, a per-token list (process reward) is used as it is;
+    tokens without a value (not trained) get 0 and do not take part."""
     sample, steps, vals, where = [], [], [], []
     for si, t in enumerate(trajectories):
         v = values[t.sample_id]
@@ -105,8 +106,16 @@ def value_advantages(trajectories: Sequence[Trajectory], rewards: Mapping[str, f
         vals.append(v[idx])
         where.append(idx)
     s, k, v = torch.cat(sample), torch.cat(steps), torch.cat(vals)
-    reward = torch.tensor([float(rewards[t.sample_id]) for t in trajectories])
-    adv, ret = step_gae(s, k, outcome_token_rewards(s, k, reward), v, gamma, lam)
+    per_token = [isinstance(rewards[t.sample_id], Sequence) for t in trajectories]
+    if all(per_token):
+        token_rewards = torch.cat([torch.tensor(rewards[t.sample_id], dtype=torch.float32)[idx]
+                                   for t, idx in zip(trajectories, where, strict=True)])
+    elif not any(per_token):
+        reward = torch.tensor([float(rewards[t.sample_id]) for t in trajectories])
+        token_rewards = outcome_token_rewards(s, k, reward)
+    else:
+        raise ValueError("rewards mix scalars and per-token lists")
+    adv, ret = step_gae(s, k, token_rewards, v, gamma, lam)
     advantages, returns, offset = {}, {}, 0
     for t, idx in zip(trajectories, where, strict=True):
         a, r = torch.zeros(len(t.response_ids)), torch.zeros(len(t.response_ids))
