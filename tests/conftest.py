@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -30,3 +33,49 @@ def tiny(demo_tokenizer):
         return build_tiny(model_base, demo_tokenizer, **kw)
 
     return make
+
+
+class LoopbackJudge(BaseHTTPRequestHandler):
+    """An OpenAI-compatible /v1/chat/completions that grades an excerpt by the parity of its length; it fails the
+    first ``fail_first`` requests with HTTP 500 (``-1``: always)."""
+
+    fail_first = 0
+    requests: list = []
+
+    def do_POST(self):  # noqa: N802 - the http.server hook name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        cls.requests.append((self.path, self.headers.get("Authorization"), body))
+        if cls.fail_first < 0 or len(cls.requests) <= cls.fail_first:
+            self.send_response(500)
+            self.end_headers()
+            return
+        excerpt = body["messages"][-1]["content"].split("Excerpt to grade:\n")[1]
+        grade = "\\boxed{1}" if len(excerpt) % 2 == 0 else "\\boxed{-1}"
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": grade}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def judge_endpoint():
+    """Factory: ``judge_endpoint(fail_first=0)`` -> (base URL, handler class recording its requests)."""
+
+    def start(fail_first: int = 0):
+        handler = type("Judge", (LoopbackJudge,), {"fail_first": fail_first, "requests": []})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/v1", handler
+
+    servers: list = []
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()

@@ -92,11 +92,12 @@ class _FakeWandb:
         pass
 
 
-def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch):
+def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_endpoint):
     import sys
 
     import rl
     from tests import rl_harness
+    from tests.test_process_reward import _tiny_ar_judge
 
     monkeypatch.setattr("jobs.rollout.BUILTIN_SIZE", 6)
     wandb = _FakeWandb()
@@ -123,6 +124,14 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch):
          "execute.num_chunk=2", "reward.filter_all_equal=false"],
     ]
     runs.append([*runs[0], "experiment.overwrite=true"])  # the same run directory again, replaced
+    # the process reward, with a local judge and with an endpoint on loopback
+    judge = _tiny_ar_judge(tmp_path / "judge", demo_tokenizer)
+    url, _ = judge_endpoint()
+    runs.append([*runs[0], "experiment.project=d", f"model.process_reward_model={judge}",
+                 "process_reward.max_new_tokens=2", "process_reward.concurrency=4", "process_reward.chunk_length=2"])
+    runs.append([*runs[0], "experiment.project=e", "model.process_reward_model=judge-model",
+                 f"process_reward.base_url={url}", "process_reward.k_sample=1", "process_reward.timeout=30",
+                 "process_reward.retries=1", "process_reward.api_key_env=DLLM_TEST_KEY"])
     reads: set[tuple[type, str]] = set()
     for i, argv in enumerate(runs):
         if i != 2:  # math runs: the stand-in reward varies within a group, so the update runs

@@ -3,9 +3,6 @@ OpenAI-compatible endpoint on loopback, failing and recovering), and RL runs tha
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,54 +93,10 @@ def test_the_pipeline_on_hand_samples():
 # ------------------------------------------------------------------------------------------ an endpoint on loopback
 
 
-class _Judge(BaseHTTPRequestHandler):
-    """An OpenAI-compatible /v1/chat/completions that grades an excerpt by the parity of its length; it fails the
-    first ``fail_first`` requests with HTTP 500 (``-1``: always)."""
-
-    fail_first = 0
-    requests: list = []
-
-    def do_POST(self):  # noqa: N802 - the http.server hook name
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        cls = type(self)
-        cls.requests.append((self.path, self.headers.get("Authorization"), body))
-        if cls.fail_first < 0 or len(cls.requests) <= cls.fail_first:
-            self.send_response(500)
-            self.end_headers()
-            return
-        excerpt = body["messages"][-1]["content"].split("Excerpt to grade:\n")[1]
-        grade = "\\boxed{1}" if len(excerpt) % 2 == 0 else "\\boxed{-1}"
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": grade}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def endpoint():
-    def start(fail_first: int = 0):
-        handler = type("Judge", (_Judge,), {"fail_first": fail_first, "requests": []})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}/v1", handler
-
-    servers: list = []
-    yield start
-    for s in servers:
-        s.shutdown()
-        s.server_close()
-
-
-def test_the_endpoint_judge_retries_then_recovers_and_stops_when_it_keeps_failing(endpoint, monkeypatch):
+def test_the_endpoint_judge_retries_then_recovers_and_stops_when_it_keeps_failing(judge_endpoint):
     from reward.judges import EndpointJudge, JudgeError
 
-    url, handler = endpoint(fail_first=2)
+    url, handler = judge_endpoint(fail_first=2)
     waits: list[float] = []
     cfg = ProcessRewardConfig(retries=3, concurrency=1)
     judge = EndpointJudge(url, "judge-model", cfg, api_key="secret", sleep=waits.append)
@@ -153,7 +106,7 @@ def test_the_endpoint_judge_retries_then_recovers_and_stops_when_it_keeps_failin
     assert path == "/v1/chat/completions" and auth == "Bearer secret" and body["model"] == "judge-model"
     assert body["temperature"] == 0.6 and body["top_p"] == 0.95 and body["max_tokens"] == 10000
 
-    url, _ = endpoint(fail_first=-1)
+    url, _ = judge_endpoint(fail_first=-1)
     with pytest.raises(JudgeError, match=r"judge at http://127.0.0.1:\d+/v1/chat/completions failed 4 times in a "
                                          r"row \(last: HTTP 500\)"):
         EndpointJudge(url, "judge-model", cfg, sleep=lambda s: None)([chat])
@@ -196,7 +149,7 @@ def _process_args(tmp_path: Path, models: dict, **over) -> list[str]:
             "training.max_prompt_len=null", "process_reward.chunk_length=3", "process_reward.k_sample=2"]
 
 
-def test_rl_with_an_endpoint_judge_trains_on_its_per_token_rewards(tmp_path, models, endpoint, monkeypatch):
+def test_rl_with_an_endpoint_judge_trains_on_its_per_token_rewards(tmp_path, models, judge_endpoint, monkeypatch):
     from tests import rl_harness
 
     rl_harness.install(patch=monkeypatch.setattr)
@@ -204,7 +157,7 @@ def test_rl_with_an_endpoint_judge_trains_on_its_per_token_rewards(tmp_path, mod
     from jobs.rl import run_rl
     from reward.process import process_rewards as reference_pipeline
 
-    url, handler = endpoint()
+    url, handler = judge_endpoint()
     captured = []
     gae = jobs.rl.RLJob._gae
 
@@ -246,13 +199,14 @@ def test_rl_with_a_local_judge_runs_and_counts_what_it_could_not_parse(tmp_path,
         assert m["judgments"] > 0 and m["judge_unparseable"] == m["judgments"] and m["optimizer_steps"] >= 1
 
 
-def test_a_judge_that_keeps_failing_stops_the_run_with_one_line(tmp_path, models, endpoint, capsys, monkeypatch):
+def test_a_judge_that_keeps_failing_stops_the_run_with_one_line(tmp_path, models, judge_endpoint, capsys,
+                                                               monkeypatch):
     import rl
     from tests import rl_harness
 
     rl_harness.install(patch=monkeypatch.setattr)
     monkeypatch.setattr("reward.judges.time.sleep", lambda s: None)
-    url, _ = endpoint(fail_first=-1)
+    url, _ = judge_endpoint(fail_first=-1)
     code = rl.main([*_process_args(tmp_path, models, **{"model.process_reward_model": "judge-model"}),
                     f"process_reward.base_url={url}", "process_reward.retries=1"])
     err = capsys.readouterr().err
