@@ -238,6 +238,14 @@ class RewardConfig(Settings):
 
 
 @dataclass
+class TensorboardConfig(Settings):
+    """Optional TensorBoard event files with the step metrics (needs tensorboardX or tensorboard)."""
+
+    enabled: bool = False
+    log_dir: str | None = None  # default: {output_dir}/{project}/tensorboard
+
+
+@dataclass
 class WandbConfig(Settings):
     """Optional Weights & Biases logging (metrics always go to JSON lines)."""
 
@@ -302,6 +310,7 @@ class RLConfig(Settings):
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
 
     def validate(self) -> None:

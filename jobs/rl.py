@@ -52,6 +52,7 @@ from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, is_complete
 from jobs.dist import barrier, gather_objects, is_main
 from jobs.evaluate import default_device, ensure_demo_model, evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
+from jobs.trackers import start_trackers
 from models.registry import load_model
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages
@@ -65,7 +66,8 @@ STEP_PREFIX, PARTIAL = "step_", ".partial"
 # A run's identity is not its path: the directory may be moved (output_dir) or renamed (project) between runs.
 RESUMABLE_CHANGES = ("experiment.total_step", "experiment.start_from_scratch", "experiment.overwrite",
                      "experiment.eval_every", "experiment.save_every", "experiment.keep_checkpoints",
-                     "experiment.max_idle_steps", "experiment.output_dir", "experiment.project")
+                     "experiment.max_idle_steps", "experiment.output_dir", "experiment.project", "wandb.enabled",
+                     "wandb.entity", "wandb.resume", "tensorboard.enabled", "tensorboard.log_dir")
 
 
 # ------------------------------------------------------------------------------------------ run directory
@@ -238,7 +240,7 @@ class RLJob:
             from reward.judges import build_judge
 
             self.judge = build_judge(cfg.model.process_reward_model, cfg.process_reward, seed=cfg.experiment.seed)
-        self.tracker = start_wandb(cfg) if self.main else None
+        self.tracker = start_trackers(cfg, self.root) if self.main else None
         if resume_from is not None:
             self._load_trainer(self.run.step(resume_from) / "ckpt")
             if self.value is not None:
@@ -477,7 +479,7 @@ class RLJob:
             return
         self._finalise()
         if self.tracker is not None:
-            self.tracker.log(_scalars(metrics), step=metrics["step"])
+            self.tracker.log(metrics, step=metrics["step"])
         print(format_line(metrics, self.cfg.experiment.total_step), flush=True)
 
     def _finalise(self) -> None:
@@ -528,23 +530,6 @@ def run_rl(cfg: Any, progress: bool = True) -> list[dict]:
               f"{b['step']} {b['eval_acc']:.3f} ({100 * (b['eval_acc'] - a['eval_acc']):+.1f} points); "
               f"curves: {job.root / 'curves.png'}", flush=True)
     return history
-
-
-def start_wandb(cfg: Any) -> Any:
-    """A Weights & Biases run when ``wandb.enabled`` (metrics always go to metrics.jsonl as well)."""
-    w = cfg.wandb
-    if not w.enabled:
-        return None
-    try:
-        import wandb
-    except ImportError:
-        raise RunDirError("wandb.enabled is true but wandb is not installed (pip install wandb)") from None
-    return wandb.init(project=cfg.experiment.project, entity=w.entity, resume=w.resume,
-                      dir=str(Path(cfg.experiment.output_dir) / cfg.experiment.project), config=to_dict(cfg))
-
-
-def _scalars(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def describe_sandbox(cfg: Any) -> str:

@@ -1,0 +1,76 @@
+"""Experiment trackers beside ``metrics.jsonl``: Weights & Biases and TensorBoard, each optional, the same scalars.
+
+Every tracker takes ``log(scalars, step)`` and ``finish()``; :func:`start_trackers` builds those the config enables
+(main process only) and fails with one line when a tracker's package is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from core.files import RunDirError
+from core.schema import to_dict
+
+
+class Trackers:
+    """The enabled trackers, driven together."""
+
+    def __init__(self, trackers: list[Any]):
+        self.trackers = trackers
+
+    def log(self, metrics: dict, step: int) -> None:
+        scalars = numeric_scalars(metrics)
+        for t in self.trackers:
+            t.log(scalars, step=step)
+
+    def finish(self) -> None:
+        for t in self.trackers:
+            t.finish()
+
+
+def numeric_scalars(metrics: dict) -> dict[str, float]:
+    """The top-level numbers of a step's metrics (nested tables and flags left out)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def start_trackers(cfg: Any, run_dir: Path) -> Trackers:
+    trackers = []
+    if cfg.wandb.enabled:
+        trackers.append(_wandb_run(cfg, run_dir))
+    if cfg.tensorboard.enabled:
+        trackers.append(TensorBoard(Path(cfg.tensorboard.log_dir or run_dir / "tensorboard")))
+    return Trackers(trackers)
+
+
+def _wandb_run(cfg: Any, run_dir: Path) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise RunDirError("wandb.enabled is true but wandb is not installed (pip install wandb)") from None
+    w = cfg.wandb
+    return wandb.init(project=cfg.experiment.project, entity=w.entity, resume=w.resume, dir=str(run_dir),
+                      config=to_dict(cfg))
+
+
+class TensorBoard:
+    """Scalars as TensorBoard event files (tensorboardX, or torch.utils.tensorboard when tensorboard is installed)."""
+
+    def __init__(self, log_dir: Path):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RunDirError("tensorboard.enabled is true but neither tensorboardX nor tensorboard is installed "
+                                  "(pip install tensorboardX)") from None
+        self.writer = SummaryWriter(str(log_dir))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()

@@ -1,0 +1,46 @@
+"""TensorBoard logging beside metrics.jsonl: event files written by an RL run, read back, same scalars."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from core.config import load_config
+from models.tiny import save_tiny_checkpoint
+from tests.test_rl import demo_args
+
+
+def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """Scalars of every event file under ``log_dir`` (TFRecord framing: length, crc, event proto, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, dict[int, float]] = {}
+    for path in sorted(log_dir.glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                out.setdefault(value.tag, {})[event.step] = value.simple_value
+    return out
+
+
+def test_an_rl_run_writes_tensorboard_scalars_equal_to_its_metrics(tmp_path, demo_tokenizer, monkeypatch):
+    pytest.importorskip("tensorboardX")
+    from jobs.rl import run_rl
+    from tests import rl_harness
+
+    rl_harness.install(patch=monkeypatch.setattr)
+    model = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    cfg = load_config(demo_args(tmp_path, model, **{"experiment.total_step": 2, "experiment.eval_every": 2,
+                                                   "tensorboard.enabled": "true"}), "rl")
+    run_rl(cfg, progress=False)
+    scalars = read_scalars(tmp_path / "run" / "tensorboard")
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert scalars["reward"] == pytest.approx({m["step"]: m["reward"] for m in metrics if "reward" in m})
+    assert scalars["eval_acc"] == pytest.approx({0: metrics[0]["eval_acc"], 2: metrics[2]["eval_acc"]})
+    assert set(scalars["optimizer_steps"]) == {1, 2}
