@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config_or_exit("eval", argv)  # before torch is imported
 
     def job() -> None:
-        check_single_node(cfg, "eval.py")
+        check_single_node(cfg, "python multinode_eval.py config=...")
         relaunch_if_requested(cfg, "eval.py", argv)
         from jobs.evaluate import run_eval, summary_table
 

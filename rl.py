@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config_or_exit("rl", argv)  # before torch is imported
 
     def job() -> None:
-        check_single_node(cfg, "rl.py")
+        check_single_node(cfg, "python multinode_rl.py config=...")
         relaunch_if_requested(cfg, "rl.py", argv)
         from jobs.rl import run_rl
 

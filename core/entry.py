@@ -19,12 +19,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from core.errors import UserError
     from core.loader import ConfigError
     from data.formats import DataFormatError
-    from jobs.cluster import ClusterError
-    from models.registry import ModelLoadError
-    from sample.strategies import DegenerateLogitsError
 
-    return (UserError, ConfigError, ModelLoadError, DataFormatError, FileNotFoundError, DegenerateLogitsError,
-            ClusterError)
+    return UserError, ConfigError, DataFormatError, FileNotFoundError
 
 
 def launched() -> bool:
@@ -34,13 +30,13 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def check_single_node(cfg, script: str) -> None:
-    """A multi-node config must be started with the multinode script on every node."""
+def check_single_node(cfg, command: str) -> None:
+    """A multi-node config must be started on every node by its launcher (``command``, said in the error)."""
     from core.loader import ConfigError
 
     if cfg.experiment.num_node > 1 and not launched():
         raise ConfigError(f"key 'experiment.num_node' is {cfg.experiment.num_node}: start multi-node runs with "
-                          f"`python multinode_{script} config=...` on every node", "experiment.num_node")
+                          f"`{command}` on every node", "experiment.num_node")
 
 
 def relaunch_if_requested(cfg, script: str, argv: list[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -31,20 +32,33 @@ def make_run_dir(root: Path) -> Path:
     return root
 
 
+_HELD_LOCKS: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors. A flock belongs to the open file, which
+    every copy keeps alive: a child that outlives its parent (a worker pool, a sandbox) would hold the run."""
+    for fd in list(_HELD_LOCKS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class RunLock:
     """An OS lock (``flock``) on ``<run dir>/.lock``, held for the life of the process that runs the directory.
 
     A second run, a resume or an ``overwrite`` of a live run is refused with the holder's pid; the OS releases the
-    lock when its holder dies (SIGKILL included), so a dead holder's lock is simply taken over.
+    lock when its holder dies (SIGKILL included), so a dead holder's lock is simply taken over. Forked children do
+    not keep it (see :func:`_drop_inherited_locks`).
     """
 
-    def __init__(self, root: Path, path: Path | None = None):
-        """Lock run directory ``root`` through ``root/.lock``, or through ``path`` (a directory that is replaced as
-        a whole, such as a staged run, keeps its lock beside it)."""
+    def __init__(self, root: Path):
         import fcntl
 
-        self.path = path or make_run_dir(root) / LOCK_NAME
-        make_run_dir(self.path.parent)
+        self.path = make_run_dir(root) / LOCK_NAME
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -55,9 +69,11 @@ class RunLock:
                               "stop it, or choose another experiment.project") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        _HELD_LOCKS.add(self.fd)
 
     def release(self) -> None:
         if self.fd is not None:
+            _HELD_LOCKS.discard(self.fd)
             os.close(self.fd)  # closing the descriptor releases the flock
             self.fd = None
 
@@ -132,16 +148,15 @@ class StagedRun:
         self.partial = self.final.with_name(self.final.name + PARTIAL_SUFFIX)
         if self.final.exists() and not self.final.is_dir():
             raise RunDirError(f"output path {self.final} exists and is not a directory")
-        self.lock = RunLock(self.final, self.final.with_name(f".{self.final.name}.lock"))
-        if self.final.is_dir() and any(self.final.iterdir()) and not overwrite:
+        self.lock = RunLock(self.partial)  # held in the partial folder, which becomes the run
+        if run_dir_entries(self.final) and not overwrite:
             self.lock.release()
             raise RunDirError(f"output directory {self.final} is not empty (a previous run); pass "
                               "experiment.overwrite=true to replace it, or choose another experiment.project / "
                               "experiment.output_dir")
         self.overwrite = overwrite
-        if self.partial.exists():
-            shutil.rmtree(self.partial)
-        self.partial.mkdir(parents=True)
+        for p in run_dir_entries(self.partial):  # an earlier attempt's leftovers
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
     @property
     def dir(self) -> Path:

@@ -17,11 +17,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import UserError
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 29500
 
 
-class ClusterError(ValueError):
+class ClusterError(UserError, ValueError):
     """The environment does not describe a consistent multi-node launch."""
 
 

@@ -17,13 +17,14 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from core.errors import UserError
 from models.common import AttentionLayout, KVCache, predicting_columns
 from models.dream import DreamConfig, DreamModel
 from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """A user-facing loading problem (unknown model_base, missing path, mismatched checkpoint, bad tokenizer)."""
 
 

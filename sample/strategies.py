@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from core.errors import UserError
 from sample.params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -46,7 +47,7 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) 
     return logits
 
 
-class DegenerateLogitsError(ValueError):
+class DegenerateLogitsError(UserError, ValueError):
     """Sampling cannot continue: the distribution over tokens is undefined."""
 
 

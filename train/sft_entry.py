@@ -20,7 +20,9 @@ def main(family: str, argv: list[str] | None = None) -> int:
         if cfg.model.model_base not in FAMILY_BASES[family]:
             raise ConfigError(f"key 'model.model_base' is {cfg.model.model_base!r} but this is train/sft_{family}.py "
                               f"(use train/sft_{cfg.model.model_base}.py)", "model.model_base")
-        check_single_node(cfg, f"sft_{family}.py")
+        launcher = "accelerate_configs/<nodes>_node_8_gpus_deepspeed_zero3.yaml"
+        check_single_node(cfg, f"accelerate launch --config_file {launcher} --machine_rank <node index> "
+                               f"--main_process_ip <node 0> train/sft_{family}.py config=...")
         relaunch_if_requested(cfg, f"train/sft_{family}.py", argv)
         from jobs.sft import run_sft
 
