@@ -147,11 +147,18 @@ class DiffusionLM(LM):
     def context_ids(self, context: str) -> list[int]:
         """Ids of a context: messages from --apply_chat_template, one user turn (chat=true) or raw text."""
         if context.startswith(CHAT_TAG):
-            chat = json.loads(context[len(CHAT_TAG):])
-            return chat_ids(self.adapter, chat["messages"], self.start_with_think, chat["add_generation_prompt"])
+            return self._messages_ids(**json.loads(context[len(CHAT_TAG):]))
         if self.chat:
             return chat_ids(self.adapter, [{"role": "user", "content": context}], self.start_with_think)
         return self.adapter.encode_text(context)
+
+    def _messages_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        # lm-eval ends the messages with an assistant turn holding a task's answer prefix ("gen_prefix") and asks
+        # for no generation prompt: the prefix opens the assistant's answer, which the model then continues.
+        if not add_generation_prompt and messages and messages[-1]["role"] == "assistant":
+            return (chat_ids(self.adapter, messages[:-1], self.start_with_think)
+                    + self.adapter.encode_text(messages[-1]["content"]))
+        return chat_ids(self.adapter, messages, self.start_with_think, add_generation_prompt)
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids, continuation ids). Raw text is tokenised whole and split, so a word is not cut in two at

@@ -218,3 +218,15 @@ def test_generate_until_one_sampler_call_per_setting(harness_lm, monkeypatch):
     assert len(out) == 4 and all("\n\n" not in text for text in out[::2])
     with pytest.raises(ValueError, match="num_beams"):
         harness_lm.generate_until(_requests(("a", {"num_beams": 2})))
+
+
+def test_apply_chat_template_contexts_render_like_eval_py(harness_lm):
+    from data.prompts import chat_ids
+
+    adapter = harness_lm.adapter
+    turn = [{"role": "user", "content": "Compute 1 + 2. <|im_end|>"}]
+    assert harness_lm.context_ids(harness_lm.apply_chat_template(turn)) == chat_ids(adapter, turn)
+    assert harness_lm.context_ids("Compute 1 + 2. <|im_end|>") == chat_ids(adapter, turn)  # chat=true: one user turn
+    prefixed = turn + [{"role": "assistant", "content": "Answer:"}]
+    context = harness_lm.apply_chat_template(prefixed, add_generation_prompt=False)
+    assert harness_lm.context_ids(context) == chat_ids(adapter, turn) + adapter.encode_text("Answer:")
