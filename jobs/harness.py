@@ -138,9 +138,13 @@ class DiffusionLM(LM):
         return out
 
     def _greedy_params(self, n: int) -> SamplingParams:
-        block = self.params.block_for(self.adapter.attention, self.adapter.block_size)
-        return replace(self.params, temperature=0.0, top_k=0, top_p=1.0, max_tokens=n, ignore_eos=True,
-                       stop_token_ids=[], stop=[], denoising_steps=block, steps=n, alg_temp=0.0)
+        """Greedy, one token per step, no stops, ``n`` tokens. Full attention: one block of exactly the
+        continuation (as its ELBO sees it: no masked positions after it); block models: their own blocks."""
+        greedy = replace(self.params, temperature=0.0, top_k=0, top_p=1.0, max_tokens=n, ignore_eos=True,
+                         stop_token_ids=[], stop=[], alg_temp=0.0)
+        if self.adapter.attention == "full":
+            return replace(greedy, block_size=n, steps=None)
+        return replace(greedy, denoising_steps=greedy.block_for("block", self.adapter.block_size))
 
     # ------------------------------------------------------------ prompts
 
