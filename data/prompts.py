@@ -45,9 +45,17 @@ def prompt_ids(adapter: Any, row: dict[str, Any], data_type: str, start_with_thi
     tokens.
     """
     messages, prefix = prompt_messages(row, data_type, start_with_think)
-    ids = adapter.encode_chat(messages)
-    if start_with_think:
-        ids += adapter.tokenizer.encode("<think>\n", add_special_tokens=False)
+    ids = chat_ids(adapter, messages, start_with_think)
     if prefix:
         ids += adapter.encode_text(prefix)
+    return ids
+
+
+def chat_ids(adapter: Any, messages: list[dict], start_with_think: bool = False,
+             add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of chat messages through the model's chat template (+ ``<think>``): how every prompt of eval.py
+    and of the lm-eval model is rendered."""
+    ids = adapter.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+    if start_with_think:
+        ids += adapter.tokenizer.encode("<think>\n", add_special_tokens=False)
     return ids

@@ -1,0 +1,243 @@
+"""The lm-eval-harness model ``dllm_rl``: our adapters, sampler and chat templates behind lm-eval's ``LM`` API.
+
+Run it with ``python -m lm_eval_dllm <lm_eval arguments>`` (see lm_eval_dllm.py): lm-eval 0.4.13 finds models
+only in its own registry, so this module must be imported before lm-eval's CLI parses ``--model dllm_rl``.
+
+* ``generate_until``: requests are grouped by their generation settings and each group is one ``generate`` call
+  (the batched sampler of eval.py). A context is rendered as eval.py renders a prompt: one user turn through the
+  model's chat template (``data.prompts.chat_ids``), or raw text with ``chat=false``. The sampler stops at the
+  adapter's stop tokens (EOS, turn end) as in eval.py; lm-eval's ``until`` strings then cut the text.
+* ``loglikelihood``: the continuation's ELBO (train/likelihood.py: Monte-Carlo for full-attention models, exact
+  block-causal factorisation with a per-block ELBO for block models), every request with the same seed (common
+  random numbers: the choices of a multiple-choice question are compared on the same masks). ``is_greedy``: the
+  greedy sampler, one token per step, reproduces the continuation exactly.
+* ``loglikelihood_rolling`` is refused: a diffusion model gives only a bound on a text's log-likelihood.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from typing import Any
+
+import lm_eval.models  # noqa: F401 - lm-eval imports its own models only while its registry is empty
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from core.config import ExperimentConfig
+from core.schema import SettingError, config_fields, replace
+from data.prompts import chat_ids, prompt_messages
+from jobs.evaluate import default_device
+from jobs.rollout import check_for_model
+from models.registry import load_model
+from reward.math import score_math
+from sample.generate import generate
+from sample.params import SamplingParams
+from sample.trajectory import Trajectory
+from train.likelihood import continuation_elbo
+
+MODEL_NAME = "dllm_rl"
+DEFAULT_SEED = ExperimentConfig.__dataclass_fields__["seed"].default  # eval.py's seed: both sample alike
+CHAT_TAG = "\ue001dllm-chat:"  # marks a context that lm-eval's --apply_chat_template turned into messages
+ROLLING_REFUSAL = ("loglikelihood_rolling is not supported: a diffusion LM gives only a lower bound (ELBO) on a "
+                   "text's log-likelihood, not the exact value perplexity needs")
+_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
+
+
+@register_model(MODEL_NAME)
+class DiffusionLM(LM):
+    """``--model_args pretrained=<folder>,model_base=<trado|sdar|dream|llada|mmada>[,key=value...]``.
+
+    Keys: ``tokenizer`` (folder), ``dtype``, ``attn_backend``, ``device``; ``chat`` (render contexts through the
+    chat template, default true), ``start_with_think``; ``mc_num`` (ELBO draws per request, default 128),
+    ``mc_batch_size`` (rows per forward), ``greedy_check`` (compute ``is_greedy``, default true); ``seed``;
+    any ``SamplingParams`` field (``block_size``, ``denoising_steps``, ``steps``, ``remasking_strategy``, ``cache``,
+    ``max_tokens``, ``max_active``...). Task ``gen_kwargs`` override ``max_tokens`` (max_gen_toks),
+    ``temperature`` (do_sample=false -> greedy), ``top_p``, ``top_k``. lm-eval's ``batch_size`` is ignored: the
+    sampler keeps ``max_active`` rows in flight.
+    """
+
+    def __init__(self, pretrained: str, model_base: str, tokenizer: str | None = None, dtype: str = "float32",
+                 attn_backend: str = "sdpa", device: str | None = None, chat: bool = True,
+                 start_with_think: bool = False, mc_num: int = 128, mc_batch_size: int = 32,
+                 greedy_check: bool = True, seed: int = DEFAULT_SEED, batch_size: Any = None,
+                 max_batch_size: Any = None, **sampling: Any):
+        super().__init__()
+        model_cfg = {"pretrained_model": pretrained, "model_base": model_base, "tokenizer": tokenizer,
+                     "dtype": dtype, "attn_backend": attn_backend}
+        self.adapter = load_model(model_cfg, device=_device(device))
+        self.adapter.model.eval()
+        self.params = base_params(sampling, seed)
+        check_for_model("model_args", self.params, self.adapter)
+        self.chat, self.start_with_think, self.seed = bool(chat), bool(start_with_think), int(seed)
+        self.mc_num, self.mc_batch_size, self.greedy_check = int(mc_num), int(mc_batch_size), bool(greedy_check)
+        self.pretrained = str(pretrained)
+
+    # ------------------------------------------------------------ generation
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        contexts = [r.args[0] for r in requests]
+        settings = [r.args[1] for r in requests]
+        out: list[str] = [""] * len(requests)
+        for indices in _groups(settings).values():
+            params, until = self._params_for(settings[indices[0]])
+            rollout = generate(self.adapter, [self.context_ids(contexts[i]) for i in indices], params,
+                               progress=not disable_tqdm)
+            for i, traj in zip(indices, rollout, strict=True):
+                out[i] = cut_at(response_text(traj, self.adapter.tokenizer), until)
+                self.cache_hook.add_partial("generate_until", (contexts[i], settings[i]), out[i])
+        return out
+
+    def _params_for(self, gen_kwargs: dict) -> tuple[SamplingParams, list[str]]:
+        """Sampler settings of one task's ``gen_kwargs`` and its ``until`` strings."""
+        unknown = set(gen_kwargs) - _GEN_KWARGS
+        if unknown:
+            raise ValueError(f"{MODEL_NAME}: unsupported gen_kwargs {sorted(unknown)}; supported: "
+                             f"{sorted(_GEN_KWARGS)}")
+        changes: dict[str, Any] = {}
+        if "max_gen_toks" in gen_kwargs:
+            changes["max_tokens"] = int(gen_kwargs["max_gen_toks"])
+        for key in ("temperature", "top_p", "top_k"):
+            if key in gen_kwargs:
+                changes[key] = type(getattr(self.params, key))(gen_kwargs[key])
+        if gen_kwargs.get("do_sample") is False:
+            changes["temperature"] = 0.0
+        params = replace(self.params, **changes)
+        check_for_model("gen_kwargs", params, self.adapter)
+        until = gen_kwargs.get("until") or []
+        return params, [until] if isinstance(until, str) else list(until)
+
+    # ------------------------------------------------------------ likelihood
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [self.encode_pair(*r.args) for r in requests]
+        greedy = self._greedy_matches(pairs) if self.greedy_check else [False] * len(pairs)
+        out = []
+        for r, (context, continuation), is_greedy in zip(requests, pairs, greedy, strict=True):
+            gen = torch.Generator().manual_seed(self.seed)  # same draws for every request (common random numbers)
+            score = continuation_elbo(self.adapter, context, continuation, self.mc_num, gen, self.mc_batch_size)
+            out.append((score, is_greedy))
+            self.cache_hook.add_partial("loglikelihood", r.args, out[-1])
+        return out
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        raise NotImplementedError(ROLLING_REFUSAL)
+
+    def _greedy_matches(self, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
+        """Whether greedy decoding (one token per step, no stops) of each context gives its continuation."""
+        by_length: dict[int, list[int]] = defaultdict(list)
+        for i, (_, continuation) in enumerate(pairs):
+            by_length[len(continuation)].append(i)
+        out = [False] * len(pairs)
+        for n, indices in by_length.items():
+            rollout = generate(self.adapter, [pairs[i][0] for i in indices], self._greedy_params(n), progress=False)
+            for i, traj in zip(indices, rollout, strict=True):
+                out[i] = traj.response_ids[:n] == pairs[i][1]
+        return out
+
+    def _greedy_params(self, n: int) -> SamplingParams:
+        """Greedy, one token per step, no stops, ``n`` tokens. Full attention: one block of exactly the
+        continuation (as its ELBO sees it: no masked positions after it); block models: their own blocks."""
+        greedy = replace(self.params, temperature=0.0, top_k=0, top_p=1.0, max_tokens=n, ignore_eos=True,
+                         stop_token_ids=[], stop=[], alg_temp=0.0)
+        if self.adapter.attention == "full":
+            return replace(greedy, block_size=n, steps=None)
+        return replace(greedy, denoising_steps=greedy.block_for("block", self.adapter.block_size))
+
+    # ------------------------------------------------------------ prompts
+
+    def context_ids(self, context: str) -> list[int]:
+        """Ids of a context: messages from --apply_chat_template, one user turn (chat=true) or raw text."""
+        if context.startswith(CHAT_TAG):
+            return self._messages_ids(**json.loads(context[len(CHAT_TAG):]))
+        if self.chat:
+            return chat_ids(self.adapter, [{"role": "user", "content": context}], self.start_with_think)
+        return self.adapter.encode_text(context)
+
+    def _messages_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        # lm-eval ends the messages with an assistant turn holding a task's answer prefix ("gen_prefix") and asks
+        # for no generation prompt: the prefix opens the assistant's answer, which the model then continues.
+        if not add_generation_prompt and messages and messages[-1]["role"] == "assistant":
+            return (chat_ids(self.adapter, messages[:-1], self.start_with_think)
+                    + self.adapter.encode_text(messages[-1]["content"]))
+        return chat_ids(self.adapter, messages, self.start_with_think, add_generation_prompt)
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids). Raw text is tokenised whole and split, so a word is not cut in two at
+        the boundary; after a chat template the continuation starts a new assistant turn and is tokenised alone."""
+        if self.chat or context.startswith(CHAT_TAG):
+            return self.context_ids(context), self.adapter.encode_text(continuation)
+        whole = self.adapter.encode_text(context + continuation)
+        n = len(self.adapter.encode_text(context))
+        return whole[:n], whole[n:]
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        # Messages travel as data, not as rendered text: re-tokenising a rendered template would turn
+        # special-token strings inside message contents into special tokens (encode_chat never does).
+        return CHAT_TAG + json.dumps({"messages": chat_history, "add_generation_prompt": add_generation_prompt})
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.pretrained
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return getattr(self.adapter.tokenizer, "chat_template", None) or ""
+
+
+def _device(requested: str | None) -> str:
+    """The device to load on: lm-eval's CLI passes "cuda" unless told otherwise, so a CPU-only machine falls back
+    to the CPU (with a warning) as lm-eval's own HF model does."""
+    if requested and requested.startswith("cuda") and not torch.cuda.is_available():
+        logging.getLogger(__name__).warning("%s: device %r is not available, using the CPU", MODEL_NAME, requested)
+        return "cpu"
+    return requested or default_device()
+
+
+def base_params(sampling: dict[str, Any], seed: int) -> SamplingParams:
+    """SamplingParams from model_args (greedy unless asked otherwise: lm-eval tasks assume it)."""
+    fields = config_fields(SamplingParams)
+    unknown = set(sampling) - set(fields)
+    if unknown:
+        raise ValueError(f"{MODEL_NAME}: unknown model_args {sorted(unknown)}; sampler keys are {sorted(fields)}")
+    try:
+        return SamplingParams(**{"temperature": 0.0, "seed": seed, **sampling})
+    except SettingError as err:
+        raise ValueError(f"{MODEL_NAME}: model_args {err.field}: {err}") from None
+
+
+def response_text(traj: Trajectory, tokenizer: Any) -> str:
+    """The response as text without its final stop token (EOS / turn end): what lm-eval expects back."""
+    if traj.finish_reason in ("eos", "stop") and traj.response_ids:
+        return tokenizer.decode(traj.response_ids[:-1], skip_special_tokens=False)
+    return traj.text
+
+
+def cut_at(text: str, until: list[str]) -> str:
+    """``text`` up to the first occurrence of any of the ``until`` strings."""
+    for stop in until:
+        if stop:
+            text = text.split(stop, 1)[0]
+    return text
+
+
+def math_prompt(doc: dict) -> str:
+    """eval.py's math prompt text for a dataset row (the model renders it as one user turn of its chat template);
+    used by the task files in lm_eval_tasks/."""
+    messages, _ = prompt_messages(doc, "math")
+    return messages[0]["content"]
+
+
+def math_score(doc: dict, results: list[str]) -> dict[str, float]:
+    """eval.py's math scoring of one response: the boxed answer (else "The answer is ..."), checked for
+    equivalence with the row's ground truth by reward.math."""
+    return {"exact_match": score_math(results[0], str(doc["ground_truth_answer"]))}
+
+
+def _groups(settings: list[dict]) -> dict[str, list[int]]:
+    """Request indices grouped by identical generation settings (one sampler call each)."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, gen_kwargs in enumerate(settings):
+        groups[json.dumps(gen_kwargs, sort_keys=True, default=str)].append(i)
+    return groups
