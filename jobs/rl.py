@@ -37,7 +37,6 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,12 +144,6 @@ class RunDir:
 
 
 # ------------------------------------------------------------------------------------------ step
-
-
-@dataclass
-class StepResult:
-    metrics: dict[str, Any]
-    trajectories: list[Trajectory] = field(default_factory=list)
 
 
 def draw_tasks(n_tasks: int, k: int, seed: int, step: int) -> list[int]:

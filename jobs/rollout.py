@@ -1,7 +1,7 @@
 """Rollout + scoring shared by eval.py and the RL loop: tasks -> prompts -> trajectories -> per-sample scores.
 
-This sits at the entry-script level because it combines data/, sample/ and reward/, which must not import each
-other (DESIGN.md dependency direction).
+This sits at the job level because it combines data/, sample/ and reward/, which must not import each other
+(imports point down, from jobs to the packages they combine).
 """
 
 from __future__ import annotations

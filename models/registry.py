@@ -67,7 +67,7 @@ register_auto_classes()
 
 @dataclass
 class Adapter:
-    """What shared code needs to know about a loaded model (DESIGN.md contract 1)."""
+    """What shared code needs to know about a loaded model: the one contract between a family and the core."""
 
     model: Any
     model_base: str

@@ -15,7 +15,7 @@ FAMILY_BASES = ("sdar", "dream", "llada", "mmada")
 
 
 def expected_keys(model_base: str, n_layers: int) -> set[str]:
-    """State-dict names of the public checkpoints, written out from REFERENCE.md 2.2, 2.4, 2.5."""
+    """State-dict names of the public checkpoints (JetLM/SDAR, Dream-org/Dream-v0, GSAI-ML/LLaDA-8B), written out."""
     if model_base == "sdar":
         per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
                      "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",

@@ -1,6 +1,6 @@
 """One way to build an `accelerate.Accelerator` that works on GPU nodes and on CPU-only machines alike.
 
-On CPU-only machines accelerate needs help (PLATFORM.md, "Distributed on CPU"): under a multi-process launcher
+On CPU-only machines accelerate needs help (measured with accelerate 1.15 and DeepSpeed 0.19): under a launcher
 the process group must use gloo, DDP needs ``cpu=True``, and DeepSpeed must NOT get ``cpu=True`` (it would be
 skipped) but does need the gloo backend or every rank believes it is alone. DeepSpeed also refuses ``prepare``
 without a dataloader unless ``train_micro_batch_size_per_gpu`` is set, so it is filled from ``micro_batch_size``.

@@ -1,7 +1,7 @@
 """Log-probabilities of trained tokens only: gather hidden states [T, H], then the LM head in chunks.
 
-Never materialises [batch, seq, vocab] logits (DESIGN.md, performance shape; the reference computes logits at every
-position, Gen-Verse/dLLM-RL train/rl_trado.py). Each chunk's
+Never materialises [batch, seq, vocab] logits (at vocab 151,936 they would dominate training memory; the reference
+computes logits at every position, Gen-Verse/dLLM-RL train/rl_trado.py). Each chunk's
 logits are computed in fp32 for the log-softmax and, when gradients are needed, recomputed in the backward pass
 (activation checkpointing per chunk), so peak memory is O(chunk x vocab) instead of O(T x vocab).
 """

@@ -32,9 +32,11 @@ states, so their old log-probs must be recomputed (``TrainBatch.exact`` is False
 
 Loss weights are computed from the trajectory batch, independent of the layout, so packed == per-round exactly and
 micro-batches of one optimiser step simply add up (gradient accumulation divides once):
-* ``padded_length`` (reference block models, 6.8): every trained token weighs 1 / (U * L1max), U = number of
-  per-round rows ("units"; counted as per-round rows even when packed), L1max = longest response in the batch;
-* ``row_mean`` (reference full attention, 7.3): mean over the tokens of a unit, then mean over units;
+* ``padded_length`` (the reference's block models, train/rl_trado.py forward_process): every trained token
+  weighs 1 / (U * L1max), U = number of per-round rows ("units"; counted as per-round rows even when packed),
+  L1max = longest response in the batch;
+* ``row_mean`` (the reference's full-attention models, train/rl_dream.py and rl_llada.py): mean over the tokens of
+  a unit, then mean over units;
 * ``token_mean``: mean over all trained tokens.
 
 ``post_num``: responses are cut at their stop token, so the generated stop token is always trained (the reference drops
