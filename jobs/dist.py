@@ -25,5 +25,11 @@ def barrier(accelerator: Any) -> None:
         accelerator.wait_for_everyone()
 
 
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def is_main(accelerator: Any) -> bool:
     return accelerator is None or accelerator.is_main_process

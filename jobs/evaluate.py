@@ -10,48 +10,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from core.config import DEMO_MODEL_DIRS, config_text
+from core.config import config_text
 from core.files import StagedRun, write_atomic
 from core.loader import ConfigError
-from jobs.dist import barrier, gather_objects, is_main, rank_world
+from jobs.demo import ensure_demo_model
+from jobs.dist import barrier, default_device, gather_objects, is_main, rank_world
 from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded
+from jobs.sft import run_sft
 from models.registry import ModelLoadError, load_model
 from sample.trace_viewer import build_trace_html
 from sample.trajectory import Trajectory, write_jsonl
 
 TRACE_SAMPLES = 16
-SFT_DEMO_DIR, SFT_DEMO_CONFIG = "runs/sft_demo/ckpt/optimized", "configs/demo/sft_demo.yaml"
-
-
-def ensure_demo_model(model_cfg: Any) -> None:
-    """Demo configs only: build a tiny model at one of the demo paths when it is missing (and say so).
-
-    Any other missing path is an error: a mistyped path must never silently become a random model.
-    """
-    path = Path(model_cfg.pretrained_model)
-    if not model_cfg.init_tiny_if_missing or (path / "config.json").is_file():
-        return
-    if path.as_posix().rstrip("/") not in DEMO_MODEL_DIRS:
-        raise ModelLoadError(f"model path {str(path)!r} does not exist (model.init_tiny_if_missing only builds the "
-                             f"demo's own paths: {', '.join(DEMO_MODEL_DIRS)})")
-    if path.as_posix().rstrip("/") == SFT_DEMO_DIR:
-        from core.config import load_config
-        from jobs.sft import run_sft
-
-        print(f"{path} is missing: training the demo's starting model with {SFT_DEMO_CONFIG} (runs once)", flush=True)
-        run_sft(load_config([f"config={SFT_DEMO_CONFIG}", "experiment.overwrite=true"], "sft"))
-        return
-    from models.tiny import save_tiny_checkpoint
-    from models.tokenizers import build_demo_tokenizer
-
-    print(f"building a tiny random {model_cfg.model_base} model at {path} (demo; nothing is downloaded)")
-    save_tiny_checkpoint(path, str(model_cfg.model_base), build_demo_tokenizer(), size="demo")
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -146,7 +116,7 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
         else None
     try:
         if main:
-            ensure_demo_model(cfg.model)
+            ensure_demo_model(cfg.model, run_sft)
         barrier(acc)
         device = acc.device if acc is not None else default_device()
         adapter = load_model(cfg.model, device=device)

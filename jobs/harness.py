@@ -29,7 +29,7 @@ from lm_eval.api.registry import register_model
 from core.config import ExperimentConfig
 from core.schema import SettingError, config_fields, replace
 from data.prompts import chat_ids, prompt_messages
-from jobs.evaluate import default_device
+from jobs.dist import default_device
 from jobs.rollout import check_for_model
 from models.registry import load_model
 from reward.math import score_math

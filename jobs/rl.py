@@ -48,9 +48,11 @@ from core.schema import replace as replace_settings
 from core.schema import to_dict
 from data.prompts import prompt_ids
 from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, is_complete, load_checkpoint, save_checkpoint
-from jobs.dist import barrier, gather_objects, is_main
-from jobs.evaluate import default_device, ensure_demo_model, evaluate, pass_at_k, sample_scored
+from jobs.demo import ensure_demo_model
+from jobs.dist import barrier, default_device, gather_objects, is_main
+from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
+from jobs.sft import run_sft
 from jobs.trackers import start_trackers
 from models.registry import load_model
 from models.value import load_value_model, value_model_from_policy
@@ -204,7 +206,7 @@ class RLJob:
         resume_from = self._check_run_dir()
         if resume_from is None:
             if self.main:
-                ensure_demo_model(cfg.model)
+                ensure_demo_model(cfg.model, run_sft)
             barrier(self.acc)
         source = cfg.model.pretrained_model if resume_from is None else str(self._policy_dir(resume_from))
         model_cfg = _with_path(cfg.model, source)

@@ -34,8 +34,8 @@ from data.formats import DataFormatError, read_raw_rows
 from data.prompts import prompt_ids
 from data.tasks import arithmetic_task
 from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, load_checkpoint, save_checkpoint
-from jobs.dist import barrier, is_main
-from jobs.evaluate import default_device, ensure_demo_model
+from jobs.demo import ensure_demo_model
+from jobs.dist import barrier, default_device, is_main
 from models.registry import family_spec, load_model
 from sample.trajectory import Trajectory
 from train.accelerator import build_accelerator
@@ -181,7 +181,7 @@ class SFTJob:
             self.lock = RunLock(self.root)  # released by the OS when this process ends
         resume = self._check_run_dir()
         if self.main and not resume:
-            ensure_demo_model(cfg.model)
+            ensure_demo_model(cfg.model, run_sft)
         barrier(self.acc)
         source = str(self.last / "policy") if resume else cfg.model.pretrained_model
         self.adapter = load_model(replace(cfg.model, pretrained_model=source), device=default_device())
