@@ -224,7 +224,7 @@ def test_required_marker_in_an_override_is_refused(tmp_path):
     ("training.lower_p=0.95", "key 'training.lower_p': lower_p (0.95) exceeds upper_p"),
     ("reward.acc_low=0.9", "key 'reward.acc_low'"),
     ("training.method=ppo", "key 'training.method'"),
-    ("model.process_reward_model=x", "unsupported key 'model.process_reward_model': the process-reward"),
+    ("model.process_reward_model=x", "key 'model.process_reward_model': the process reward needs the value model"),
     ("training.gam=1.5", "key 'training.gam': gam must be in [0.0, 1.0]"),
     ("rollout.tensor_parallel_size=2", "tensor parallelism is not supported"),
     ("dataset.train_dataset=builtin:code", "key 'dataset.data_type'"),
