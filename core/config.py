@@ -6,7 +6,8 @@ Usage (entry points)::
     cfg = load_config_or_exit("eval")                # same, but prints the error and exits with status 2
 
 Kinds: ``"rl"`` (rl.py -> :class:`RLConfig`), ``"eval"`` (eval.py -> :class:`EvalConfig`), ``"sft"``
-(train/sft_*.py -> :class:`SFTConfig`). A section is the runtime settings class of the code that consumes it,
+(train/sft_*.py -> :class:`SFTConfig`), ``"serve"`` (serve.py -> :class:`ServeConfig`).
+A section is the runtime settings class of the code that consumes it,
 declared once: ``rollout`` is the sampler's ``SamplingParams`` (sample/params.py) plus the job's own keys,
 ``training`` / ``optimizer`` / ``lr_scheduler`` are the trainer's classes (train/settings.py), ``execute`` is the
 sandbox's ``SandboxConfig`` (reward/sandbox.py). The job-level sections (experiment, model, dataset, reward,
@@ -36,7 +37,7 @@ from train.settings import (
 )
 
 __all__ = ["ConfigError", "load_config", "load_config_or_exit", "dump_config", "job_kind", "SCHEMAS",
-           "RLConfig", "EvalConfig", "SFTConfig", "DEMO_MODEL_DIRS"]
+           "RLConfig", "EvalConfig", "SFTConfig", "ServeConfig", "DEMO_MODEL_DIRS"]
 
 ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada"]
 DataType = Literal["math", "code", "option"]
@@ -295,6 +296,34 @@ class EvalConfig(Settings):
 
 
 @dataclass
+class ServerConfig(Settings):
+    """serve.py: where it listens and how much it accepts (sequences = prompts x n)."""
+
+    host: str = "127.0.0.1"
+    port: int = bounded(8000, 0, 65535)  # 0 = any free port (the address is printed at start)
+    api_key: str | None = None  # when set, clients send "Authorization: Bearer <api_key>" (else 401)
+    model_name: str | None = None  # the model id of /v1/models and of requests; null = the checkpoint folder's name
+    max_batch: int = bounded(32, 1)  # sequences decoded together in one settings group (the engine's max_active)
+    max_queue: int = bounded(256, 0)  # sequences allowed to wait beyond max_batch; a request past it gets 503
+    max_prompt_tokens: int | None = bounded(None, 1)  # longer prompts get 400; null = what fits the model's positions
+
+
+@dataclass
+class ServeConfig(Settings):
+    """serve.py: an OpenAI-compatible HTTP server; ``rollout`` holds the default sampling settings of requests."""
+
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: SamplingParams = field(default_factory=SamplingParams)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        check_block_sizes(self.model, {"rollout": self.rollout})
+
+
+@dataclass
 class RLConfig(Settings):
     """rl.py."""
 
@@ -353,13 +382,14 @@ class SFTConfig(Settings):
     system: SystemConfig = field(default_factory=SystemConfig)
 
 
-SCHEMAS: dict[str, type] = {"rl": RLConfig, "eval": EvalConfig, "sft": SFTConfig}
+SCHEMAS: dict[str, type] = {"rl": RLConfig, "eval": EvalConfig, "sft": SFTConfig, "serve": ServeConfig}
 FOLLOWS = {"rl": {"evaluation": "rollout"}}
 
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "rl": {},
     "eval": {},
     "sft": {},
+    "serve": {},
 }
 
 
@@ -380,6 +410,7 @@ NO_EFFECT: dict[str, dict[str, str]] = {
                                   "(rollout.block_size)"},
     "eval": dict(_COMMON_NO_EFFECT),
     "sft": dict(_COMMON_NO_EFFECT),
+    "serve": dict(_COMMON_NO_EFFECT),
 }
 
 
@@ -387,7 +418,7 @@ NO_EFFECT: dict[str, dict[str, str]] = {
 
 
 def load_config(argv: Sequence[str], kind: str, stream: Any = None) -> Any:
-    """Load ``config=<file>`` plus ``key=value`` overrides for job `kind` (rl | eval | sft).
+    """Load ``config=<file>`` plus ``key=value`` overrides for job `kind` (rl | eval | sft | serve).
 
     Returns the job's section tree (e.g. :class:`EvalConfig`); raises :class:`ConfigError` on any user error.
     """
@@ -428,7 +459,10 @@ def job_kind(path: str | os.PathLike[str]) -> str:
         return "eval"
     if stem.startswith("sft_"):
         return "sft"
-    raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, *_eval, sft_*)", source=str(path))
+    if stem.startswith("serve_") or stem.endswith("_serve"):
+        return "serve"
+    raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, *_eval, sft_*, serve_*)",
+                      source=str(path))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -231,7 +231,10 @@ def packed_projections(model: nn.Module) -> Iterator[None]:
     For sampling only: the packed copies are taken on entry (later weight updates are not seen) and carry no
     gradient, so ``project`` ignores them whenever autograd is on. Costs one copy of the packed weights.
     """
-    modules = [m for m in model.modules() if isinstance(m, Projections)] if packing_applies(model) else []
+    # Nested use (a server's driver thread holds the packing while an offline ``generate`` runs) packs only what
+    # is not packed yet and unpacks only that: the outer holder keeps its packed weights.
+    modules = [m for m in model.modules() if isinstance(m, Projections) and "_packed" not in m.__dict__] \
+        if packing_applies(model) else []
     for module in modules:
         groups = {group: [getattr(module, name) for name in names] for group, names in module.projection_groups.items()}
         module._packed = {group: PackedLinear(linears) for group, linears in groups.items()

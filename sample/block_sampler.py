@@ -346,8 +346,19 @@ class BlockSampler:
         self.masked[complete] = True
         self.t_block[complete] = 0
         self.rec_step[complete] = 0
-        if not finished:
-            return
+        if finished:
+            self._drop_rows(finished)
+
+    def drop(self, rows: list[int]) -> None:
+        """Remove running rows without a result (cancelled); a carried block of theirs is never stored."""
+        self._drop_rows(rows)
+        self.n_carrying = int(self.carrying.sum()) if self.running else 0
+
+    def committed(self) -> dict[int, list[int]]:
+        """Each running sequence's response so far: whole blocks, cut at nothing (no stop in them), final."""
+        return {r.seq.index: r.response for r in self.running}
+
+    def _drop_rows(self, finished: list[int]) -> None:
         gone = set(finished)
         keep_list = [i for i in range(len(self.running)) if i not in gone]
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)

@@ -7,7 +7,12 @@ room for (``max_active``) before every step; a finished sequence leaves at once 
 * ``check_prompt(index, prompt) -> budget``: response tokens allowed (a clear error when the prompt cannot fit),
 * ``admit(sequences)``: put new sequences into the batch (prefill, canvas),
 * ``step() -> list[Finished]``: one forward of every running sequence; the sequences that finished in it,
-* ``running``: the sequences in the batch, ``stats``: its ``RolloutStats``.
+* ``running``: the sequences in the batch, ``stats``: its ``RolloutStats``,
+* ``drop(rows)``: remove running sequences (by their row in ``running``) without a result (a cancelled request),
+* ``committed() -> {index: response ids}``: each running sequence's final response prefix (for streaming).
+
+:class:`Engine` holds the waiting queue; ``run_engine`` (``generate``) adds every prompt up front and steps until
+all are done, a server (jobs/serve_engine.py) adds and cancels sequences between steps.
 """
 
 from __future__ import annotations
@@ -77,19 +82,61 @@ class Sampler(Protocol):
 
     def step(self) -> list[Finished]: ...
 
+    def drop(self, rows: list[int]) -> None: ...
+
+    def committed(self) -> dict[int, list[int]]: ...
+
+
+class Engine:
+    """A sampler's batch plus its waiting queue: sequences join the queue at any time, are admitted before a step
+    while the batch has room (``max_active``), and leave when finished or cancelled. Not thread-safe: one thread
+    calls every method (a server's driver thread)."""
+
+    def __init__(self, sampler: Sampler, max_active: int):
+        self.sampler, self.max_active = sampler, max_active
+        self.waiting: deque[Sequence] = deque()
+
+    @property
+    def busy(self) -> bool:
+        """Sequences wait or run."""
+        return bool(self.waiting or self.sampler.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def cancel(self, index: int) -> bool:
+        """Remove the sequence ``index`` (waiting or running); False when it is not here (already finished)."""
+        for seq in self.waiting:
+            if seq.index == index:
+                self.waiting.remove(seq)
+                return True
+        rows = [i for i, r in enumerate(self.sampler.running) if r.seq.index == index]
+        if rows:
+            self.sampler.drop(rows)
+        return bool(rows)
+
+    def step(self) -> list[Finished]:
+        """Admit waiting sequences while there is room, run one step; the sequences that finished in it."""
+        free = self.max_active - len(self.sampler.running)
+        if free > 0 and self.waiting:
+            self.sampler.admit([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
+        if not self.sampler.running:
+            return []
+        finished = self.sampler.step()
+        self.sampler.stats.generated_tokens += sum(len(done.response) for done in finished)
+        return finished
+
 
 def run_engine(sampler: Sampler, prompts: Seq[Seq[int]], max_active: int, tokenizer: Any = None,
                on_finish: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Sample every prompt with ``sampler``; trajectories in prompt order."""
-    waiting = deque(Sequence(i, list(p), sampler.check_prompt(i, list(p))) for i, p in enumerate(prompts))
-    results: list[Trajectory | None] = [None] * len(waiting)
-    while waiting or sampler.running:
-        free = max_active - len(sampler.running)
-        if free > 0 and waiting:
-            sampler.admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
-        for done in sampler.step():
+    engine = Engine(sampler, max_active)
+    for i, p in enumerate(prompts):
+        engine.add(Sequence(i, list(p), sampler.check_prompt(i, list(p))))
+    results: list[Trajectory | None] = [None] * len(engine.waiting)
+    while engine.busy:
+        for done in engine.step():
             traj = trajectory(done, tokenizer)
-            sampler.stats.generated_tokens += len(done.response)
             results[done.seq.index] = traj
             if on_finish is not None:
                 on_finish(traj)

@@ -132,6 +132,15 @@ class FullSampler:
         self.runner.admit(n)
         self.running.extend(_Running(s, masks_left=self.bl) for s in sequences)
 
+    def drop(self, rows: list[int]) -> None:
+        """Remove running rows without a result (cancelled)."""
+        self._drop(rows)
+
+    def committed(self) -> dict[int, list[int]]:
+        """Nothing before the end: a full-attention row decodes anywhere in its block, and reading the decoded
+        prefix back every step would cost a host sync per step (the response is sent when it finishes)."""
+        return {}
+
     def _widen(self, prompt_len: int) -> None:
         """Left-pad the canvas so that prompts of ``prompt_len`` tokens fit (cached K/V are column-free)."""
         extra = prompt_len - self.width

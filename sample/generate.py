@@ -16,7 +16,7 @@ from sample.full_sampler import FullSampler
 from sample.params import SamplingParams
 from sample.trajectory import Trajectory
 
-__all__ = ["Rollout", "RolloutStats", "encode_prompt", "generate"]
+__all__ = ["Rollout", "RolloutStats", "encode_prompt", "generate", "make_sampler", "seeded_generator"]
 
 Prompt = Sequence[int] | str | Sequence[dict]
 
@@ -51,7 +51,7 @@ def generate(adapter: Any, prompts: Sequence[Prompt] | str, params: SamplingPara
     limit = getattr(adapter.model.config, "max_position_embeddings", None)
     bar = tqdm(total=len(ids), desc="sampling", unit="prompt", disable=not progress, leave=False)
     start = time.perf_counter()
-    sampler = _make_sampler(adapter, params, stop_ids, limit, _generator(adapter, params.seed))
+    sampler = make_sampler(adapter, params, stop_ids, limit, seeded_generator(adapter, params.seed))
 
     def on_finish(_: Trajectory) -> None:
         bar.update(1)
@@ -69,8 +69,9 @@ def generate(adapter: Any, prompts: Sequence[Prompt] | str, params: SamplingPara
     return Rollout(trajectories, sampler.stats)
 
 
-def _make_sampler(adapter: Any, params: SamplingParams, stop_ids: set[int], limit: int | None,
-                  generator: torch.Generator) -> BlockSampler | FullSampler:
+def make_sampler(adapter: Any, params: SamplingParams, stop_ids: set[int], limit: int | None,
+                 generator: torch.Generator) -> BlockSampler | FullSampler:
+    """The sampler of the adapter's attention kind (``generate`` and the server's settings groups)."""
     if adapter.attention == "block":
         return BlockSampler(adapter, params, stop_ids, limit, generator)
     if adapter.attention == "full":
@@ -78,7 +79,8 @@ def _make_sampler(adapter: Any, params: SamplingParams, stop_ids: set[int], limi
     raise ValueError(f"adapter.attention must be 'block' or 'full', got {adapter.attention!r}")
 
 
-def _generator(adapter: Any, seed: int | None) -> torch.Generator:
+def seeded_generator(adapter: Any, seed: int | None) -> torch.Generator:
+    """A generator on the model's device, seeded with ``seed`` (None: a nondeterministic seed)."""
     device = next(adapter.model.parameters()).device
     gen = torch.Generator(device=device)
     if seed is None:

@@ -1,0 +1,146 @@
+"""Serving throughput and latency: 1, 8 and 32 concurrent streaming clients vs offline batched ``generate``.
+
+    python -m bench.serve                              # tiny SDAR model on CPU (hidden 128, 4 layers, demo vocab)
+    python -m bench.serve --preset cpu --max-tokens 128
+    python -m bench.serve --device cuda --preset 1.7b --prompts 64 --clients 1,8,32,64
+
+Prints the hardware first. The same ``--prompts`` chat prompts are sampled (1) offline by one ``generate`` call
+(batch = all prompts) and one prompt at a time, and (2) through ``serve.py``'s app on 127.0.0.1 by C client
+threads, each sending streaming chat requests (raw SSE over HTTP) for the next prompt until all are answered.
+Responses have a fixed length (no stop tokens) so every variant generates the same number of tokens; greedy.
+Per level: tokens/s over the level's wall time, and per request p50 / p95 of the time to the first streamed text
+and to the end (of the round with the best throughput; ``--rounds`` interleaved rounds, best of each variant).
+Then the ratios against offline batch and against one client. Clients run in the same process as the server:
+their HTTP and JSON work competes with the sampler for the same cores (clients elsewhere would not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import torch
+
+from bench.sampler import PRESETS, build_adapter, hardware_line
+from jobs.serve import background_server, build_app
+from jobs.serve_engine import ServeEngine
+from sample.generate import generate
+from sample.params import SamplingParams
+
+
+def prompts_for(n: int) -> list[str]:
+    return [f"Compute {a} + {b} and explain each step." for a, b in ((i // 10, i % 10) for i in range(n))]
+
+
+def offline(adapter, prompts: list[str], params: SamplingParams, batch: int) -> float:
+    """Tokens/s of ``generate`` over ``prompts``, ``batch`` prompts per call."""
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        tokens += sum(len(t.response_ids) for t in generate(adapter, prompts[i:i + batch], params, progress=False))
+    return tokens / (time.perf_counter() - start)
+
+
+def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """(seconds to the first streamed text, seconds to the end, completion tokens) of one streaming chat."""
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start, first, tokens = time.perf_counter(), None, 0
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return first if first is not None else float("nan"), time.perf_counter() - start, tokens
+
+
+def served(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """One concurrency level: ``clients`` threads share the prompts; throughput and latency percentiles."""
+    todo = iter(prompts)
+    lock = threading.Lock()
+    results: list[tuple[float, float, int]] = []
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=600) as client:
+            while True:
+                with lock:
+                    prompt = next(todo, None)
+                if prompt is None:
+                    return
+                out = one_request(client, url, prompt, max_tokens)
+                with lock:
+                    results.append(out)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(client_loop) for _ in range(clients)]:
+            f.result()
+    wall = time.perf_counter() - start
+    ttft, total = sorted(r[0] for r in results), sorted(r[1] for r in results)
+    return {"clients": clients, "tok_s": sum(r[2] for r in results) / wall, "ttft_p50": _pct(ttft, 50),
+            "ttft_p95": _pct(ttft, 95), "end_p50": _pct(total, 50), "end_p95": _pct(total, 95)}
+
+
+def _pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each variant is shown")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(hardware_line(args.device))
+    adapter = build_adapter(args.preset, args.device, getattr(torch, args.dtype), args.block_size)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, block_size=args.block_size,
+                            denoising_steps=args.block_size, ignore_eos=True, stop_token_ids=[],
+                            max_active=args.prompts)
+    prompts = prompts_for(args.prompts)
+    levels = [int(c) for c in args.clients.split(",")]
+    engine = ServeEngine(adapter, params, max_batch=max(levels + [args.prompts]), max_queue=4 * args.prompts)
+    batch_runs, loop_runs, level_runs = [], [], {c: [] for c in levels}
+    try:
+        with background_server(build_app(engine, "bench")) as url:
+            offline(adapter, prompts, params, len(prompts))  # warm-up: every batch shape once
+            served(url, prompts, max(levels), args.max_tokens)
+            for _ in range(args.rounds):  # interleaved rounds, best of each: the machine's load drifts
+                batch_runs.append(offline(adapter, prompts, params, len(prompts)))
+                loop_runs.append(offline(adapter, prompts, params, 1))
+                for c in levels:
+                    level_runs[c].append(served(url, prompts, c, args.max_tokens))
+    finally:
+        engine.close()
+    batch_tok_s, loop_tok_s = max(batch_runs), max(loop_runs)
+    rows = [max(level_runs[c], key=lambda r: r["tok_s"]) for c in levels]
+    print(f"\n{args.prompts} prompts x {args.max_tokens} tokens, {args.preset}, block {args.block_size}, "
+          f"{args.block_size} steps per block, greedy")
+    print(f"offline generate, batch {args.prompts}: {batch_tok_s:9.1f} tok/s")
+    print(f"offline generate, one at a time: {loop_tok_s:9.1f} tok/s\n")
+    print(f"{'clients':>8}{'tok/s':>10}{'first p50':>11}{'first p95':>11}{'end p50':>10}{'end p95':>10}"
+          f"{'vs batch':>10}{'vs 1 client':>13}")
+    one = next((r["tok_s"] for r in rows if r["clients"] == 1), rows[0]["tok_s"])
+    for r in rows:
+        print(f"{r['clients']:>8}{r['tok_s']:>10.1f}{r['ttft_p50']:>10.3f}s{r['ttft_p95']:>10.3f}s"
+              f"{r['end_p50']:>9.3f}s{r['end_p95']:>9.3f}s{r['tok_s'] / batch_tok_s:>9.2f}x{r['tok_s'] / one:>12.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+"""serve.py's HTTP layer: OpenAI-compatible routes over one :class:`ServeEngine` (jobs/serve_engine.py).
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (raw prompt text or token ids),
+``POST /v1/chat/completions`` (messages rendered with the model's chat template, as eval.py renders prompts).
+Request fields: OpenAI's ``model, max_tokens (max_completion_tokens), temperature, top_p, n, stop, seed, stream,
+stream_options``, plus ``top_k`` and the dLLM settings (the openai client sends them with ``extra_body``):
+``block_size`` (alias ``block_length``), ``denoising_steps``, ``remasking_strategy``, ``dynamic_threshold``
+(aliases ``threshold``, ``confidence_threshold``), ``steps`` (full-attention models), and ``return_step_map``
+(each choice also carries ``token_ids`` and ``step_map``: the step at which each token was committed, to replay
+the decoding order). Unset fields take the server's ``rollout`` settings. Errors have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (named in ``param`` and the message),
+401 without the API key, 404 for an unknown model, 503 when the queue is full, 500 when sampling failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from core.errors import UserError
+from jobs.serve_engine import ChoiceResult, RequestError, ServeEngine
+from jobs.serve_engine import Request as EngineRequest
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_size", "denoising_steps",
+                   "remasking_strategy", "dynamic_threshold", "steps")
+
+
+class _Body(BaseModel):
+    """Fields shared by both generation routes (unknown fields are refused by name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    block_size: int | None = Field(None, validation_alias=AliasChoices("block_size", "block_length"))
+    denoising_steps: int | None = None
+    remasking_strategy: str | None = None
+    dynamic_threshold: float | None = Field(
+        None, validation_alias=AliasChoices("dynamic_threshold", "threshold", "confidence_threshold"))
+    steps: int | None = None
+    return_step_map: bool = False
+    # OpenAI fields with no effect here, accepted so that ordinary clients work
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+
+def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine`` as model ``model_name``."""
+    app = FastAPI(title="dllm-rl serve", docs_url=None, redoc_url=None)
+    adapter = engine.adapter
+    created = int(time.time())
+
+    def authorize(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise RequestError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+
+    def check_model(body: _Body) -> None:
+        if body.model != model_name:
+            raise RequestError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                               "model")
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, err: RequestError) -> JSONResponse:
+        return _error(err.status, str(err), err.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(err.errors())
+        return _error(400, message, param)
+
+    @app.exception_handler(Exception)
+    async def on_crash(_: Request, err: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {type(err).__name__}: {err}", None, "server_error")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", **engine.load()}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "dllm-rl", "max_model_len": engine.limit}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        authorize(request)
+        check_model(body)
+        _refuse_logprobs(body.logprobs)
+        prompts = _completion_prompts(adapter, body.prompt)
+        return await _serve(engine, request, body, prompts, "text_completion", model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request):
+        authorize(request)
+        check_model(body)
+        _refuse_logprobs(body.logprobs)
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        prompts = [_chat_prompt(adapter, body.messages)]
+        return await _serve(engine, request, body, prompts, "chat.completion", model_name)
+
+    return app
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def _completion_prompts(adapter: Any, prompt: Any) -> list[list[int]]:
+    """Token ids of each prompt: text is tokenized as it is (special-token strings count), ids pass through."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise RequestError(400, "prompt must not be empty", "prompt")
+    vocab = len(adapter.tokenizer)
+    out = []
+    for p in prompt:
+        ids = list(adapter.tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str) else list(p)
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+        out.append(ids)
+    return out
+
+
+def _chat_prompt(adapter: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The model's chat template over the messages (``adapter.encode_chat``, as eval.py renders prompts)."""
+    if not messages:
+        raise RequestError(400, "messages must not be empty", "messages")
+    plain = []
+    for i, m in enumerate(messages):
+        if m.get("role") not in ("system", "user", "assistant"):
+            raise RequestError(400, f"messages[{i}].role must be system, user or assistant, got {m.get('role')!r}",
+                               "messages")
+        plain.append({"role": m["role"], "content": _content_text(m.get("content"), i)})
+    return adapter.encode_chat(plain)
+
+
+def _content_text(content: Any, i: int) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def _refuse_logprobs(logprobs: Any) -> None:
+    if logprobs:
+        raise RequestError(400, "logprobs are not supported by this server", "logprobs")
+
+
+# ---------------------------------------------------------------- running a request
+
+
+async def _serve(engine: ServeEngine, http: Request, body: _Body, prompts: list[list[int]], kind: str,
+                 model_name: str):
+    if body.n < 1:
+        raise RequestError(400, f"n must be >= 1, got {body.n}", "n")
+    params = engine.request_params({name: getattr(body, name) for name in SAMPLING_FIELDS})
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    req = engine.submit(f"{prefix}-{uuid.uuid4().hex[:24]}", prompts, body.n, params, stops, body.stream,
+                        body.return_step_map, asyncio.get_running_loop())
+    head = {"id": req.id, "created": int(time.time()), "model": model_name}
+    if body.stream:
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_stream(engine, http, req, kind, head, usage), media_type="text/event-stream")
+    try:
+        results = await _collect(http, req)
+    finally:
+        engine.cancel(req)
+    if results is None:  # the client left; nobody reads this
+        return JSONResponse({}, status_code=499)
+    choices = [_choice(kind, i, results[i]) for i in range(len(results))]
+    return {**head, "object": kind, "choices": choices, "usage": _usage(req, results.values())}
+
+
+async def _events(http: Request, req: EngineRequest) -> AsyncIterator[tuple[str, int | None, Any]]:
+    """The request's events until all its choices are done; stops early when the client disconnects."""
+    remaining = len(req.choices)
+    getter: asyncio.Future | None = None
+    try:
+        while remaining:
+            getter = getter or asyncio.ensure_future(req.queue.get())
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+            if not done:
+                if await http.is_disconnected():
+                    return
+                continue
+            event, getter = getter.result(), None
+            if event[0] == "error":
+                raise RequestError(500, f"sampling failed: {event[2]}")
+            remaining -= event[0] == "done"
+            yield event
+    finally:
+        if getter is not None:
+            getter.cancel()
+
+
+async def _collect(http: Request, req: EngineRequest) -> dict[int, ChoiceResult] | None:
+    results: dict[int, ChoiceResult] = {}
+    async for kind, index, payload in _events(http, req):
+        if kind == "done":
+            results[index] = payload
+    return results if len(results) == len(req.choices) else None
+
+
+async def _stream(engine: ServeEngine, http: Request, req: EngineRequest, kind: str, head: dict,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format; ``data: [DONE]`` at the end."""
+    obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    results: dict[int, ChoiceResult] = {}
+    try:
+        if kind == "chat.completion":
+            for c in req.choices:
+                yield _sse({**head, "object": obj, "choices": [_delta(kind, c.index, {"role": "assistant",
+                                                                                       "content": ""})]})
+        async for event, index, payload in _events(http, req):
+            if event == "text":
+                yield _sse({**head, "object": obj, "choices": [_delta(kind, index, {"content": payload})]})
+            else:
+                results[index] = payload
+                yield _sse({**head, "object": obj, "choices": [_delta(kind, index, {}, payload)]})
+        if include_usage and len(results) == len(req.choices):
+            yield _sse({**head, "object": obj, "choices": [], "usage": _usage(req, results.values())})
+        yield "data: [DONE]\n\n"
+    except RequestError as err:
+        yield _sse({"error": {"message": str(err), "type": "server_error", "param": None, "code": None}})
+    finally:
+        engine.cancel(req)
+
+
+def _delta(kind: str, index: int, delta: dict, result: ChoiceResult | None = None) -> dict:
+    """One choice of a stream chunk: new text, or (with ``result``) the finish reason."""
+    if kind == "chat.completion":
+        out: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
+    else:
+        out = {"index": index, "text": delta.get("content", ""), "finish_reason": None, "logprobs": None}
+    if result is not None:
+        out["finish_reason"] = result.finish_reason
+        out.update(_replay(result))
+    return out
+
+
+def _choice(kind: str, index: int, result: ChoiceResult) -> dict:
+    if kind == "chat.completion":
+        out = {"index": index, "message": {"role": "assistant", "content": result.text},
+               "finish_reason": result.finish_reason, "logprobs": None}
+    else:
+        out = {"index": index, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+    return out | _replay(result)
+
+
+def _replay(result: ChoiceResult) -> dict:
+    return {} if result.step_map is None else {"token_ids": result.token_ids, "step_map": result.step_map}
+
+
+def _usage(req: EngineRequest, results: Any) -> dict:
+    completion = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": req.prompt_tokens + completion}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
+    code = {401: "invalid_api_key", 404: "model_not_found", 503: "server_busy"}.get(status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One line naming the first invalid field of a request body (FastAPI's validation errors)."""
+    err = errors[0]
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    if err.get("type") == "json_invalid":
+        return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    field = loc[0] if loc else None
+    path = ".".join(loc) or "body"
+    if err.get("type") == "extra_forbidden":
+        return f"unknown field {path!r}", field
+    if err.get("type") == "missing":
+        return f"field {path!r} is required", field
+    return f"field {path!r}: {err.get('msg')}", field
+
+
+# ---------------------------------------------------------------- running the server
+
+
+@contextmanager
+def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Run ``app`` with uvicorn in a thread (tests, benchmarks); yields its base URL, stops on exit."""
+    import uvicorn
+
+    sock = bind(host, port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server thread stopped during start-up")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free port), bound before uvicorn starts so the address is known."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({err.strerror}); set server.host / server.port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_serve(cfg: Any) -> None:
+    """serve.py: load the model, print the address, serve until interrupted."""
+    import uvicorn
+
+    from jobs.evaluate import default_device, ensure_demo_model
+    from jobs.rollout import check_for_model
+    from models.registry import load_model
+
+    cfg.system.apply()
+    ensure_demo_model(cfg.model)
+    adapter = load_model(cfg.model, device=default_device())
+    check_for_model("rollout", cfg.rollout, adapter)
+    name = cfg.server.model_name or _folder_name(cfg.model.pretrained_model)
+    engine = ServeEngine(adapter, cfg.rollout, cfg.server.max_batch, cfg.server.max_queue,
+                         cfg.server.max_prompt_tokens)
+    sock = bind(cfg.server.host, cfg.server.port)
+    host, port = sock.getsockname()[:2]
+    print(f"serving {name!r} ({adapter.model_base}, {adapter.attention} attention) at http://{host}:{port}/v1 "
+          f"(max_batch {cfg.server.max_batch}, max_queue {cfg.server.max_queue}"
+          f"{', API key required' if cfg.server.api_key else ''}); Ctrl-C stops", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(build_app(engine, name, cfg.server.api_key), log_level="warning")).run(
+            sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+
+
+def _folder_name(path: str) -> str:
+    from pathlib import Path
+
+    return Path(path).name or str(path)

@@ -1,0 +1,237 @@
+"""serve.py and the Python API: real openai / httpx clients against servers on 127.0.0.1 (tiny models, CPU)."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import openai
+import pytest
+import torch
+
+from jobs.serve import background_server, build_app
+from jobs.serve_engine import ServeEngine
+from models.tiny import build_tiny
+from sample.compat import block_diffusion_generate
+from sample.generate import generate
+from sample.params import SamplingParams
+
+DEFAULTS = dict(max_tokens=16, temperature=0.0, block_size=4, denoising_steps=4,
+                remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.9)
+QUESTIONS = [f"What is {a} + {b}?" for a in range(4) for b in range(4)]
+
+
+@pytest.fixture(scope="module")
+def sdar(demo_tokenizer):
+    return build_tiny("sdar", demo_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(sdar):
+    """(openai client, base URL, engine) of a server over the tiny SDAR model."""
+    engine = ServeEngine(sdar, SamplingParams(**DEFAULTS), max_batch=8, max_queue=32, max_prompt_tokens=64)
+    with background_server(build_app(engine, "tiny")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60), url, engine
+    engine.close()
+
+
+def offline(adapter, prompt_ids, **settings):
+    """Token ids and text (the stop token left out) of offline ``generate`` with the server's defaults."""
+    traj = generate(adapter, [prompt_ids], SamplingParams(**(DEFAULTS | settings)), progress=False)[0]
+    ids = traj.response_ids[:-1] if traj.finish_reason in ("eos", "stop") else traj.response_ids
+    return traj, adapter.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def chat(client, question, **kw):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}], **kw)
+
+
+def streamed(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    """Texts and finish reasons per choice index of a stream, and its last chunk."""
+    texts, reasons, last = {}, {}, None
+    for chunk in stream:
+        last = chunk
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, last
+
+
+def test_chat_and_completions_equal_offline_generate(server, sdar):
+    client, _, _ = server
+    ids = sdar.encode_chat(QUESTIONS[0])
+    traj, text = offline(sdar, ids)
+    out = chat(client, QUESTIONS[0], extra_body={"return_step_map": True})
+    choice = out.choices[0]
+    assert choice.message.content == text
+    assert choice.token_ids == traj.response_ids and choice.step_map == traj.step_map  # token for token
+    assert choice.finish_reason == ("length" if traj.finish_reason == "length" else "stop")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(traj.response_ids))
+
+    texts, reasons, last = streamed(chat(client, QUESTIONS[0], stream=True, stream_options={"include_usage": True}))
+    assert texts == {0: text} and reasons == {0: choice.finish_reason}
+    assert last.usage.completion_tokens == len(traj.response_ids)
+
+    prompt = "2 + 3 ="
+    _, raw_text = offline(sdar, sdar.tokenizer.encode(prompt, add_special_tokens=False), max_tokens=10)
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=10).choices[0].text == raw_text
+    texts, _, _ = streamed(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, stream=True))
+    assert texts == {0: raw_text}
+
+
+def test_stream_sends_each_block_as_it_is_committed(server, sdar):
+    _, url, _ = server
+    _, text = offline(sdar, sdar.encode_chat(QUESTIONS[1]), max_tokens=24)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 24,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    pieces = [c["delta"].get("content") for line in lines[:-1] for c in json.loads(line[6:])["choices"]]
+    pieces = [p for p in pieces if p]
+    assert "".join(pieces) == text and len(pieces) > 1  # several blocks, not one piece at the end
+
+
+def test_n_choices_and_seeded_sampling(server, sdar):
+    client, _, _ = server
+    _, text = offline(sdar, sdar.encode_chat(QUESTIONS[2]))
+    out = chat(client, QUESTIONS[2], n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.message.content == text for c in out.choices)
+    texts, reasons, _ = streamed(chat(client, QUESTIONS[2], n=2, stream=True))
+    assert texts == {0: text, 1: text} and set(reasons) == {0, 1}
+
+    ids = sdar.encode_chat(QUESTIONS[3])
+    expected = generate(sdar, [ids] * 2, SamplingParams(**(DEFAULTS | {"temperature": 1.0, "seed": 7})),
+                        progress=False)
+    out = chat(client, QUESTIONS[3], n=2, temperature=1.0, seed=7, extra_body={"return_step_map": True})
+    assert [c.token_ids for c in out.choices] == [t.response_ids for t in expected]
+
+
+def test_stop_strings_cut_the_text(server, sdar):
+    client, _, _ = server
+    _, text = offline(sdar, sdar.encode_chat(QUESTIONS[4]))
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    want = text[:text.find(stop)]
+    out = chat(client, QUESTIONS[4], stop=[stop, "never-there"])
+    assert out.choices[0].message.content == want and out.choices[0].finish_reason == "stop"
+    assert 0 < out.usage.completion_tokens <= len(sdar.tokenizer.encode(text, add_special_tokens=False)) + 1
+    texts, reasons, _ = streamed(chat(client, QUESTIONS[4], stop=stop, stream=True))
+    assert texts == {0: want} and reasons == {0: "stop"}
+
+
+def test_sixteen_concurrent_clients(server, sdar):
+    client, _, _ = server
+    expected = [offline(sdar, sdar.encode_chat(q))[1] for q in QUESTIONS]
+
+    def ask(i):
+        if i % 2:
+            return streamed(chat(client, QUESTIONS[i], stream=True))[0][0]
+        return chat(client, QUESTIONS[i]).choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(ask, range(16))) == expected
+
+
+def test_bad_requests_get_4xx_naming_the_field(server):
+    client, url, _ = server
+    with pytest.raises(openai.NotFoundError, match="model"):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        chat(client, "hi", max_tokens=-3)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        chat(client, "word " * 200)
+    with pytest.raises(openai.BadRequestError, match="remasking_strategy"):
+        chat(client, "hi", extra_body={"remasking_strategy": "nope"})
+    with pytest.raises(openai.BadRequestError, match="denoising_steps"):
+        chat(client, "hi", extra_body={"denoising_steps": 8})  # more steps than the block has tokens
+    with pytest.raises(openai.BadRequestError, match="block_lenght"):
+        chat(client, "hi", extra_body={"block_lenght": 8})
+    resp = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "tiny", "messages": [', timeout=10,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "tiny"}, timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+    assert chat(client, "still alive?", max_tokens=4).choices[0].message.content is not None
+
+
+def test_disconnected_client_frees_its_slot(sdar):
+    never_stops = SamplingParams(**DEFAULTS, ignore_eos=True, stop_token_ids=[])  # runs 3000 tokens unless cancelled
+    engine = ServeEngine(sdar, never_stops, max_batch=1, max_queue=0)
+    try:
+        with background_server(build_app(engine, "tiny")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            stream = chat(client, QUESTIONS[5], max_tokens=3000, stream=True)
+            next(iter(stream))
+            with pytest.raises(openai.APIStatusError) as full:
+                chat(client, QUESTIONS[6], max_tokens=4)
+            assert full.value.status_code == 503
+            stream.close()
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{url}/health", timeout=10).json()["running"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert chat(client, QUESTIONS[6], max_tokens=4).choices[0].message.content is not None
+    finally:
+        engine.close()
+
+
+def test_api_key_and_models(sdar):
+    engine = ServeEngine(sdar, SamplingParams(**DEFAULTS))
+    try:
+        with background_server(build_app(engine, "tiny", api_key="secret")) as url:
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0)
+            assert [m.id for m in client.models.list().data] == ["tiny"]
+    finally:
+        engine.close()
+
+
+def test_full_attention_model_is_served(demo_tokenizer):
+    dream = build_tiny("dream", demo_tokenizer)
+    defaults = dict(max_tokens=8, temperature=0.0, block_size=4)
+    engine = ServeEngine(dream, SamplingParams(**defaults))
+    try:
+        with background_server(build_app(engine, "tiny-dream")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            traj = generate(dream, [dream.encode_chat("hi")], SamplingParams(**defaults), progress=False)[0]
+            out = client.chat.completions.create(model="tiny-dream", messages=[{"role": "user", "content": "hi"}],
+                                                 extra_body={"return_step_map": True})
+            assert out.choices[0].token_ids == traj.response_ids
+            texts, _, _ = streamed(client.chat.completions.create(
+                model="tiny-dream", messages=[{"role": "user", "content": "hi"}], stream=True))
+            assert texts == {0: out.choices[0].message.content}
+    finally:
+        engine.close()
+
+
+def test_block_diffusion_generate_matches_the_sampler(sdar):
+    ids = sdar.encode_chat(QUESTIONS[7])
+    settings = dict(block_size=4, denoising_steps=4, temperature=1.0, top_k=0, top_p=0.9,
+                    remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.9, seed=3)
+    out = block_diffusion_generate(sdar.model, {"input_ids": torch.tensor([ids])}, mask_id=sdar.mask_id,
+                                   gen_length=10, block_length=4, denoising_steps=4, temperature=1.0, top_k=0,
+                                   top_p=0.9, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.9,
+                                   seed=3)
+    budget = -(-(len(ids) + 10) // 4) * 4 - len(ids)  # to the end of the block holding prompt + gen_length
+    traj = generate(sdar, [ids], SamplingParams(max_tokens=budget, ignore_eos=True, stop_token_ids=[], **settings),
+                    progress=False)[0]
+    assert out.shape == (1, len(ids) + budget)
+    assert out[0].tolist() == ids + traj.response_ids
+    again = block_diffusion_generate(sdar, torch.tensor(ids), mask_id=sdar.mask_id, gen_length=10, temperature=1.0,
+                                     top_p=0.9, seed=3)
+    assert torch.equal(again, out)
+
+
+def test_serve_entry_reports_config_errors_in_one_line(capsys):
+    import serve
+
+    assert serve.config_argv(["config=x.yaml", "--api-key", "k", "--port=9"]) == \
+        ["config=x.yaml", "server.api_key=k", "server.port=9"]
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["config=configs/demo/serve_demo.yaml", "server.port=-1"])
+    assert exit_.value.code == 2 and "server.port" in capsys.readouterr().err
