@@ -364,12 +364,14 @@ def run_serve(cfg: Any) -> None:
     """serve.py: load the model, print the address, serve until interrupted."""
     import uvicorn
 
-    from jobs.evaluate import default_device, ensure_demo_model
+    from jobs.demo import ensure_demo_model
+    from jobs.dist import default_device
     from jobs.rollout import check_for_model
+    from jobs.sft import run_sft
     from models.registry import load_model
 
     cfg.system.apply()
-    ensure_demo_model(cfg.model)
+    ensure_demo_model(cfg.model, run_sft)
     adapter = load_model(cfg.model, device=default_device())
     check_for_model("rollout", cfg.rollout, adapter)
     name = cfg.server.model_name or _folder_name(cfg.model.pretrained_model)
