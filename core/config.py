@@ -173,6 +173,13 @@ class JobRollout(SamplingParams):
 class RLRollout(JobRollout):
     num_task_per_step: int = bounded(64, 1)  # tasks drawn per RL step
 
+    def validate(self) -> None:
+        super().validate()
+        if self.num_response_per_task < 2:  # rewards are z-scored within a task's group of responses
+            raise SettingError("num_response_per_task", "num_response_per_task must be >= 2 for RL: advantages are "
+                               "normalised within each task's group, so a group of one has advantage 0 and nothing "
+                               "trains")
+
 
 _PAIRED = ("remasking_strategy", "top_k", "block_size")
 

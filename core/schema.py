@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import types
 import typing
 from collections.abc import Iterator
@@ -104,6 +105,8 @@ def check_fields(obj: Any) -> None:
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 continue
+            if not math.isfinite(v):  # NaN passes every range check and Inf overflows training
+                raise SettingError(name, f"{name} must be a finite number, got {v!r}")
             below = lo is not None and (v <= lo if lo_open else v < lo)
             if below or (hi is not None and v > hi):
                 left = "(" if lo_open else "["

@@ -66,7 +66,8 @@ def draw_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generat
     if torch.isnan(probs).any():  # NaN logits, or filters that left no token with probability > 0
         raise DegenerateLogitsError(
             "the model produced NaN logits or no token with probability > 0 at "
-            f"{int(torch.isnan(probs).any(-1).sum())} position(s) (check the checkpoint and dtype); "
+            f"{int(torch.isnan(probs).any(-1).sum())} position(s) (check the checkpoint and dtype; a model trained "
+            "with too high a learning rate diverges like this); "
             "stopping instead of committing an arbitrary token")
     tokens = probs.argmax(-1) if params.greedy else _sample(probs, generator)
     confidence = probs.gather(-1, tokens[..., None]).squeeze(-1)

@@ -337,3 +337,51 @@ def test_sft_is_locked_stores_its_weights_once_and_reports_a_full_disk(tmp_path,
     with pytest.raises(RunDirError, match=r"no space left on the device while writing .*last.partial"):
         run_sft(load_config([*args, "experiment.overwrite=true"], "sft"), progress=False)
     assert not (tmp_path / "sft" / "ckpt" / "last.partial").exists()
+
+
+# ------------------------------------------------------------------------------------------ non-finite values
+
+
+def test_non_finite_settings_are_refused_naming_the_key():
+    from core.loader import ConfigError
+
+    for override, key in [("optimizer.params.learning_rate=.nan", "optimizer.params.learning_rate"),
+                          ("optimizer.params.learning_rate=.inf", "optimizer.params.learning_rate"),
+                          ("rollout.temperature=.nan", "rollout.temperature"),
+                          ("reward.acc_low=-.inf", "reward.acc_low")]:
+        with pytest.raises(ConfigError, match=f"key '{key}': .* must be a finite number"):
+            load_config(["config=configs/demo/rl_demo.yaml", override], "rl")
+    for override, why in [("optimizer.params.learning_rate=0", "learning_rate must be > 0.0"),
+                          ("optimizer.params.value_learning_rate=0", "value_learning_rate must be > 0.0"),
+                          ("rollout.num_response_per_task=1", "a group of one has advantage 0")]:
+        with pytest.raises(ConfigError, match=why):
+            load_config(["config=configs/demo/rl_demo.yaml", override], "rl")
+
+
+def test_an_overflowing_rl_run_stops_at_the_step_and_saves_nothing_non_finite(tmp_path, model):
+    # a finite but absurd learning rate: after the first of three optimizer steps of RL step 1 the weights are
+    # ~1e30 and the next loss overflows
+    args = demo_args(tmp_path, model, **{"optimizer.params.learning_rate": 1e30, "training.samples_per_step": 4})
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "rl_harness.py"), *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: training step 1: the loss is nan; the likely cause is a "
+                                                   "learning rate too high"), lines
+    run = tmp_path / "run"
+    assert not (run / "step_1").exists() and not (run / "ckpt" / "optimized").exists()
+
+
+def test_an_overflowing_sft_run_never_writes_its_model(tmp_path, model):
+    from tests.test_sft import sft_args
+
+    args = sft_args(tmp_path, model, **{"optimizer.params.learning_rate": 1e30, "training.save_every": 1})
+    proc = subprocess.run([sys.executable, "train/sft_sdar.py", *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and "training step 2: the loss is nan" in lines[0], lines
+    ckpt = tmp_path / "sft" / "ckpt"
+    assert not (ckpt / "optimized").exists()  # no final model
+    saved = load_file(str(ckpt / "last" / "policy" / "model.safetensors"))  # step 1's weights: huge, but finite
+    assert all(bool(torch.isfinite(t).all()) for t in saved.values())

@@ -112,7 +112,7 @@ class RLTrainingConfig(TrainerSettings, ViewConfig, LossConfig):
 class OptimizerParams(Settings):
     """AdamW hyper-parameters (``optimizer.params``)."""
 
-    learning_rate: float = bounded(1e-6, 0.0)
+    learning_rate: float = bounded(1e-6, 0.0, lo_open=True)  # 0 would train nothing while looking like training
     beta1: float = bounded(0.9, 0.0, 1.0)
     beta2: float = bounded(0.999, 0.0, 1.0)
     weight_decay: float = bounded(0.0, 0.0)
@@ -131,8 +131,8 @@ class OptimizerConfig(Settings):
 class RLOptimizerParams(OptimizerParams):
     """RL jobs with a value model train two models, each with its own learning rate."""
 
-    policy_learning_rate: float | None = bounded(None, 0.0)  # null = learning_rate
-    value_learning_rate: float = bounded(5e-6, 0.0)  # the value model's (reference default 5e-6)
+    policy_learning_rate: float | None = bounded(None, 0.0, lo_open=True)  # null = learning_rate
+    value_learning_rate: float = bounded(5e-6, 0.0, lo_open=True)  # the value model's (reference default 5e-6)
 
 
 @dataclass

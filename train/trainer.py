@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from core.errors import UserError
 from core.schema import replace as replace_settings
 from sample.trajectory import Trajectory
 from train.logprobs import gathered_logprobs
@@ -38,6 +39,10 @@ from train.settings import LRSchedulerConfig, OptimizerParams, TrainerSettings
 from train.views import ModelTraits, TrainBatch, build_view
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteError(UserError):
+    """Training met a NaN or Inf (loss, gradient norm or weights): it stops before anything is saved."""
 
 Plan = list[list[TrainBatch]]  # optimiser steps -> micro-batches
 
@@ -168,18 +173,37 @@ class Trainer:
                 out = self.loss(mb, self.model_outputs(mb))
                 acc.backward(out.loss * self._accumulation_divisor())
             parts.append(out.metrics)
+        metrics = finalize_metrics(self._global_sums(parts, micro))
+        self._stop_if_not_finite("loss", metrics.get("loss", 0.0))
         grad_norm = None
         if self.cfg.max_grad_norm:
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            self._stop_if_not_finite("gradient norm", float(grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         acc.gradient_state._set_sync_gradients(True)
         self.schedule.step()
-        metrics = finalize_metrics(self._global_sums(parts, micro))
+        self._stop_if_not_finite("largest weight", self._weights_norm())
         metrics.update(lr=lr, micro_batches=float(len(micro)))
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         return metrics
+
+    def _stop_if_not_finite(self, quantity: str, value: float) -> None:
+        """Raise (every process alike: the values are global) at the first NaN / Inf, before it is saved."""
+        if not math.isfinite(value):
+            raise NonFiniteError(
+                f"training step {self.rl_step}: the {quantity} is {value}; the likely cause is a learning rate too "
+                "high for this model (optimizer.params.learning_rate) or a dtype that overflows (model.dtype, "
+                "training.mixed_precision); nothing of this step was saved")
+
+    def _weights_norm(self) -> float:
+        """A norm over every local weight: one host sync, not finite as soon as one weight is not. Under ZeRO-3 a
+        process sees only its partitions (empty here): the loss and gradient-norm checks cover it."""
+        params = [p.detach() for p in self.model.parameters() if p.numel()]
+        if not params:
+            return 0.0
+        return float(torch.stack(torch._foreach_norm(params, float("inf"))).max())
 
     def _global_sums(self, parts: list[dict[str, float]], micro: list[TrainBatch]) -> dict[str, float]:
         """Metric sums over every process's real micro-batches (fillers excluded); losses averaged over processes,
