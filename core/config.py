@@ -16,6 +16,7 @@ evaluation, wandb, system) live here. Reading, renamed reference keys and errors
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Sequence
@@ -148,7 +149,12 @@ def check_block_sizes(model: Any, sections: dict[str, Any]) -> None:
                                                         f"{limit} positions of {model.pretrained_model}")
 
 
-def check_builtin_type(dataset: str, data_type: str, key: str) -> None:
+def check_builtin_type(dataset: str, data_type: str, key: str, name_key: str) -> None:
+    """A ``builtin:`` dataset must exist (``name_key``, the closest name suggested) and match the data type."""
+    if dataset.startswith("builtin:") and dataset not in BUILTIN_DATA_TYPES:
+        close = difflib.get_close_matches(dataset, list(BUILTIN_DATA_TYPES), n=1, cutoff=0.5)
+        hint = f"closest: {close[0]!r}" if close else f"built-in: {', '.join(BUILTIN_DATA_TYPES)}"
+        raise SettingError(name_key, f"unknown built-in dataset {dataset!r} ({hint})")
     kind = BUILTIN_DATA_TYPES.get(dataset)
     if kind is not None and kind != data_type:
         raise SettingError(key, f"dataset {dataset!r} is a {kind} task but data_type is {data_type!r}")
@@ -227,7 +233,7 @@ class EvaluationConfig(EvalRollout):
 
     def validate(self) -> None:
         super().validate()
-        check_builtin_type(self.eval_dataset, self.data_type, "eval_dataset")
+        check_builtin_type(self.eval_dataset, self.data_type, "eval_dataset", "eval_dataset")
 
 
 @dataclass
@@ -298,7 +304,8 @@ class EvalConfig(Settings):
 
     def validate(self) -> None:
         super().validate()
-        check_builtin_type(self.dataset.eval_dataset, self.dataset.data_type, "dataset.data_type")
+        check_builtin_type(self.dataset.eval_dataset, self.dataset.data_type, "dataset.data_type",
+                           "dataset.eval_dataset")
         check_block_sizes(self.model, {"rollout": self.rollout})
 
 
@@ -351,7 +358,8 @@ class RLConfig(Settings):
 
     def validate(self) -> None:
         super().validate()
-        check_builtin_type(self.dataset.train_dataset, self.dataset.data_type, "dataset.data_type")
+        check_builtin_type(self.dataset.train_dataset, self.dataset.data_type, "dataset.data_type",
+                           "dataset.train_dataset")
         check_block_sizes(self.model, {"rollout": self.rollout, "evaluation": self.evaluation})
         if self.model.process_reward_model:
             if not self.model.value_base_model:
@@ -474,8 +482,13 @@ def job_kind(path: str | os.PathLike[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m core.config FILE...``: validate config files (kind inferred from each name)."""
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m core.config CONFIG.yaml [CONFIG.yaml ...]  (validates each file; the job kind comes "
+              "from the file name)", file=sys.stderr)
+        return 2
     status = 0
-    for path in sys.argv[1:] if argv is None else argv:
+    for path in paths:
         try:
             load_config([f"config={path}"], job_kind(path), stream=sys.stdout)
             print(f"ok     {path}")

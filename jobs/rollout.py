@@ -6,6 +6,7 @@ This sits at the job level because it combines data/, sample/ and reward/, which
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,23 @@ def load_tasks(name: str, data_type: str, seed: int = 0, n_builtin: int | None =
         return make(n_builtin or BUILTIN_SIZE, seed=seed)
     path = Path(name) if name.endswith((".json", ".jsonl")) else Path(data_dir) / f"{name}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file {path} not found; run: python data/download_data.py --dataset {name}")
+        raise FileNotFoundError(f"dataset file {path} not found; {_missing_dataset_hint(name, Path(data_dir))}")
     return load_dataset_file(path, data_type)
+
+
+def _missing_dataset_hint(name: str, data_dir: Path) -> str:
+    """Download a known benchmark; otherwise name the closest built-in, local or downloadable dataset."""
+    from data.download_data import DATASETS
+
+    if name in DATASETS:
+        return f"run: python data/download_data.py --dataset {name}"
+    local = [p.name.removesuffix(".json") for p in data_dir.glob("*.json")] if data_dir.is_dir() else []
+    close = difflib.get_close_matches(name, [*BUILTIN_TASKS, *local, *DATASETS], n=1, cutoff=0.6)
+    if not close:
+        return f"built-in: {', '.join(BUILTIN_TASKS)}; downloadable: {', '.join(DATASETS)}"
+    get = f" (python data/download_data.py --dataset {close[0]})" if close[0] in DATASETS and close[0] not in local \
+        else ""
+    return f"closest: {close[0]!r}{get}"
 
 
 def check_for_model(section: str, params: SamplingParams, adapter: Any) -> None:

@@ -385,3 +385,33 @@ def test_an_overflowing_sft_run_never_writes_its_model(tmp_path, model):
     assert not (ckpt / "optimized").exists()  # no final model
     saved = load_file(str(ckpt / "last" / "policy" / "model.safetensors"))  # step 1's weights: huge, but finite
     assert all(bool(torch.isfinite(t).all()) for t in saved.values())
+
+
+# ------------------------------------------------------------------------------------------ command-line corners
+
+
+def test_config_check_without_files_prints_usage():
+    proc = subprocess.run([sys.executable, "-m", "core.config"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m core.config CONFIG.yaml")
+
+
+def test_mistyped_dataset_names_suggest_the_closest():
+    from core.loader import ConfigError
+    from jobs.rollout import load_tasks
+
+    with pytest.raises(ConfigError, match=r"key 'dataset.eval_dataset': unknown built-in dataset 'builtin:arithmetc' "
+                                          r"\(closest: 'builtin:arithmetic'\)"):
+        load_config(["config=configs/demo/eval_demo.yaml", "dataset.eval_dataset=builtin:arithmetc"], "eval")
+    with pytest.raises(ConfigError, match="key 'dataset.train_dataset': .*closest: 'builtin:code'"):
+        load_config(["config=configs/demo/rl_demo.yaml", "dataset.train_dataset=builtin:cod"], "rl")
+    with pytest.raises(FileNotFoundError, match=r"closest: 'MATH500' \(python data/download_data.py --dataset "
+                                                r"MATH500\)"):
+        load_tasks("MATH50", "math", data_dir="/nonexistent")
+    with pytest.raises(FileNotFoundError, match="run: python data/download_data.py --dataset GSM8K"):
+        load_tasks("GSM8K", "math", data_dir="/nonexistent")
+
+
+def test_an_output_directory_under_a_regular_file_is_one_line(tmp_path, model, rl):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RunDirError, match=f"cannot create the run directory .*: {tmp_path / 'a_file'} is a file"):
+        rl(tmp_path / "a_file" / "sub", model)
