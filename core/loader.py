@@ -68,6 +68,24 @@ RENAMES: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     "batch_size": ("max_active", None),  # Dream/LLaDA: prompts sampled together
 }
 _RENAMED_SECTIONS = ("rollout", "evaluation")
+# code key -> the spelling the user wrote, for the config loaded last (errors name the key as written)
+_WRITTEN: dict[str, str] = {}
+
+
+def as_written(key: str) -> str:
+    """``key`` as the user spelled it (``rollout.denoising_steps`` -> ``rollout.denoising_steps_per_block`` when the
+    config used the reference's name)."""
+    return _WRITTEN.get(key, key)
+
+
+def _user_spelling(err: ConfigError) -> ConfigError:
+    """The same error naming the key as written."""
+    if err.key not in _WRITTEN:
+        return err
+    code, user = err.key, _WRITTEN[err.key]
+    text = str(err).replace(f"'{code}'", f"'{user}'").replace(f" {code.rpartition('.')[2]} ",
+                                                                f" {user.rpartition('.')[2]} ")
+    return ConfigError(text, user, err.source)
 
 def _rename_section(tree: dict[str, Any], section: str, src: str) -> None:
     body = tree.get(section)
@@ -78,6 +96,7 @@ def _rename_section(tree: dict[str, Any], section: str, src: str) -> None:
             continue
         value = body.pop(old)
         value = convert(value) if convert else value
+        _WRITTEN[f"{section}.{new}"] = f"{section}.{old}"
         current = body.get(new)
         if new not in body or _is_interp(current, f"{section}.{old}"):
             body[new] = value
@@ -426,6 +445,7 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
     framework does differently) are dropped with a notice on ``stream`` (stderr by default).
     """
     unsupported, no_effect = unsupported or {}, no_effect or {}
+    _WRITTEN.clear()
     path, overrides = split_argv(argv)
     notices: list[str] = []
     layers = [_apply_renames(_normalise_reference_form(read_yaml(path)), path)]
@@ -433,7 +453,10 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
     sources = dict.fromkeys(_leaf_keys(layers[0]), path)
     for item in overrides:
         src = f"{path} (override {item!r})"
-        tree = _apply_renames(_normalise_reference_form(parse_override(item, path)), src)
+        raw = _normalise_reference_form(parse_override(item, path))
+        for key in _leaf_keys(raw):  # written in the code's words here: errors say it so
+            _WRITTEN.pop(key, None)
+        tree = _apply_renames(raw, src)
         check_tree(tree, schema, schema, src, unsupported, notices, no_effect)
         sources.update(dict.fromkeys(_leaf_keys(tree), src))
         layers.append(tree)
@@ -447,7 +470,10 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
                 cfg[section][name] = "${" + f"{leader}.{name}" + "}"
     if OmegaConf.is_missing(cfg.experiment, "project"):
         cfg.experiment.project = Path(path).stem
-    out = build(schema, cfg, sources, path)
+    try:
+        out = build(schema, cfg, sources, path)
+    except ConfigError as err:
+        raise _user_spelling(err) from None
     for line in notices:
         print(line, file=stream or sys.stderr)
     return out

@@ -10,7 +10,7 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from core.loader import ConfigError
+from core.loader import ConfigError, as_written
 from core.schema import SettingError, replace
 from data.formats import load_dataset_file
 from data.prompts import prompt_ids
@@ -58,7 +58,8 @@ def check_for_model(section: str, params: SamplingParams, adapter: Any) -> None:
     try:
         params.check_for(adapter)
     except SettingError as err:
-        raise ConfigError(f"key '{section}.{err.field}': {err}", f"{section}.{err.field}") from None
+        key = as_written(f"{section}.{err.field}")
+        raise ConfigError(f"key '{key}': {err}", key) from None
 
 
 def rollout_tasks(adapter: Any, tasks: list[dict], data_type: str, params: Any, indices: list[int] | None = None,
