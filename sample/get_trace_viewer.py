@@ -34,8 +34,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--trajectories {path}: no such file")
     try:
         trajs = list(read_jsonl(path))
+    except UnicodeDecodeError:
+        parser.error(f"--trajectories {path}: not UTF-8 text (expected JSON lines)")
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(" ".join(str(e).split()))
+    for i, t in enumerate(trajs):
+        for field in ("prompt_ids", "response_ids", "step_map"):
+            bad = next((x for x in getattr(t, field) if not isinstance(x, int) or isinstance(x, bool)), None)
+            if bad is not None:
+                parser.error(f"{path}: trajectory {i}: field '{field}' holds {bad!r}, not a token id / step")
     if not trajs:
         parser.error(f"{path}: no trajectories in file")
     if not args.all:
@@ -52,12 +59,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     except (OSError, ValueError) as e:
-        parser.error(f"--tokenizer {tok_dir}: cannot load a tokenizer ({e})")
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        parser.error(f"--tokenizer {tok_dir}: cannot load a tokenizer ({first.strip()})")
+    vocab = len(tokenizer)
+    for i, t in enumerate(trajs):
+        outside = [x for x in (*t.prompt_ids, *t.response_ids) if not 0 <= x < vocab]
+        if outside:
+            parser.error(f"{path}: trajectory {i} holds token id {outside[0]}, outside the vocabulary of --tokenizer "
+                         f"{tok_dir} ({vocab} tokens): is it the tokenizer the trajectories were sampled with?")
 
     page = build_trace_html(trajs, tokenizer, title=args.title or f"dLLM decoding trace: {path.name}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
+    if out.is_dir():
+        parser.error(f"--out {out}: is a directory (give a file name, e.g. {out / 'trace.html'})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(page, encoding="utf-8")
+    except OSError as e:
+        parser.error(f"--out {out}: cannot write it ({e.strerror or e})")
     n_tok = sum(len(t.response_ids) for t in trajs)
     print(f"wrote {out} ({len(trajs)} trajectories, {n_tok} response tokens, {len(page) / 1e6:.2f} MB)")
     return 0

@@ -429,3 +429,41 @@ def test_errors_name_the_key_as_the_user_wrote_it(tmp_path):
     yaml_file.write_text(Path(demo).read_text().replace("max_token: ", "max_token: -1 #"))
     with pytest.raises(ConfigError, match="key 'rollout.max_token': max_token must be >= 1"):
         load_config([f"config={yaml_file}"], "eval")
+
+
+def _viewer(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "sample/get_trace_viewer.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_trace_viewer_command_line_corners(tmp_path, demo_tokenizer):
+    tok = tmp_path / "tok"
+    demo_tokenizer.save_pretrained(tok)
+    row = {"prompt_ids": [5, 6], "response_ids": [7, 8], "step_map": [1, 2], "logprobs": [-0.1, -0.2]}
+
+    def write(name: str, **change) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({**row, **change}) + "\n")
+        return path
+
+    good = write("good.jsonl")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "not_tok").mkdir()
+    (tmp_path / "not_tok" / "tokenizer_config.json").write_text("{broken")
+    cases = [
+        ([f"--trajectories={write('text_id.jsonl', response_ids=[7, 'x'])}"], "text_id.jsonl"),
+        ([f"--trajectories={write('float_id.jsonl', response_ids=[7, 8.5])}"], "field 'response_ids' holds 8.5"),
+        ([f"--trajectories={latin}"], f"--trajectories {latin}: not UTF-8"),
+        ([f"--trajectories={good}", f"--out={tmp_path / 'a_dir'}"], f"--out {tmp_path / 'a_dir'}: is a directory"),
+        ([f"--trajectories={write('oov.jsonl', response_ids=[7, 99999])}"], "token id 99999, outside the vocabulary"),
+        ([f"--trajectories={good}", f"--tokenizer={tmp_path / 'not_tok'}"], "cannot load a tokenizer"),
+    ]
+    for extra, culprit in cases:
+        args = [f"--tokenizer={tok}", f"--out={tmp_path / 'out.html'}", *extra]
+        proc = _viewer(args)
+        lines = [x for x in proc.stderr.splitlines() if "error:" in x]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (extra, proc.stderr[-1500:])
+        assert len(lines) == 1 and culprit in lines[0], (extra, proc.stderr)
+    assert _viewer([f"--trajectories={good}", f"--tokenizer={tok}", f"--out={tmp_path / 'ok.html'}"]).returncode == 0
