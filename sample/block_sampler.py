@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.common import AttentionLayout
-from sample.engine import Finished, RolloutStats, Sequence
+from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence
 from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer
@@ -206,8 +206,9 @@ class BlockSampler:
             return self.params.max_tokens
         room = (self.limit // self.b) * self.b - len(prompt)
         if room <= 0:
-            raise ValueError(f"prompt {index} has {len(prompt)} tokens; the model accepts {self.limit} positions "
-                             f"(max_position_embeddings), which leaves no room for a block of {self.b}")
+            raise PromptTooLongError(f"prompt {index} has {len(prompt)} tokens; the model accepts {self.limit} "
+                                     f"positions (max_position_embeddings), which leaves no room for a block of "
+                                     f"{self.b}")
         return min(self.params.max_tokens, room)
 
     def step(self) -> list[Finished]:

@@ -23,7 +23,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from core.errors import UserError
 from sample.trajectory import Trajectory
+
+
+class PromptTooLongError(UserError, ValueError):
+    """A prompt leaves no room for a response below the model's position limit."""
 
 
 @dataclass

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.common import AttentionLayout, predicting_columns
-from sample.engine import Finished, RolloutStats, Sequence
+from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence
 from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer, split_steps
@@ -99,10 +99,10 @@ class FullSampler:
     def check_prompt(self, index: int, prompt: list[int]) -> int:
         """The response budget; a clear error when prompt + canvas does not fit the model's positions."""
         if self.limit is not None and len(prompt) + self.gen_len > self.limit:
-            raise ValueError(f"prompt {index} has {len(prompt)} tokens; with max_tokens {self.params.max_tokens} "
-                             f"rounded up to {self.gen_len} (block_size {self.bl}) it needs "
-                             f"{len(prompt) + self.gen_len} positions, but the model accepts {self.limit} "
-                             "(max_position_embeddings)")
+            raise PromptTooLongError(f"prompt {index} has {len(prompt)} tokens; with max_tokens "
+                                     f"{self.params.max_tokens} rounded up to {self.gen_len} (block_size {self.bl}) "
+                                     f"it needs {len(prompt) + self.gen_len} positions, but the model accepts "
+                                     f"{self.limit} (max_position_embeddings)")
         return self.params.max_tokens
 
     def step(self) -> list[Finished]:

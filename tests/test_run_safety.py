@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -467,3 +468,16 @@ def test_trace_viewer_command_line_corners(tmp_path, demo_tokenizer):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (extra, proc.stderr[-1500:])
         assert len(lines) == 1 and culprit in lines[0], (extra, proc.stderr)
     assert _viewer([f"--trajectories={good}", f"--tokenizer={tok}", f"--out={tmp_path / 'ok.html'}"]).returncode == 0
+
+
+def test_a_prompt_longer_than_the_model_positions_is_one_line(tmp_path, model, capsys):
+    import eval as eval_entry
+
+    data = tmp_path / "long.json"
+    data.write_text(json.dumps([{"question": "word " * 3000, "ground_truth_answer": "1"}]))
+    code = eval_entry.main(["config=configs/demo/eval_demo.yaml", f"model.pretrained_model={model}",
+                            f"dataset.eval_dataset={data}", f"experiment.output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:") or "error:" in x]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1
+    assert re.search(r"error: prompt 0 has \d+ tokens; the model accepts 4096 positions", lines[0])
