@@ -178,6 +178,7 @@ class JobRollout(SamplingParams):
 @dataclass
 class RLRollout(JobRollout):
     num_task_per_step: int = bounded(64, 1)  # tasks drawn per RL step
+    num_response_per_task: int = bounded(8, 1)  # the group size (>= 2, see validate)
 
     def validate(self) -> None:
         super().validate()
