@@ -290,7 +290,12 @@ class RLJob:
         saved_path = self.root / "config.yaml"
         if not saved_path.is_file():
             return
+        from core.loader import defaults_tree
+
         saved, now = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(to_dict(self.cfg))
+        # a key newer than the run's config.yaml (added by a later version) matches when it keeps its default
+        defaults = _flatten(defaults_tree(type(self.cfg)))
+        saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
         for key in sorted(set(saved) | set(now)):
             if key not in RESUMABLE_CHANGES and saved.get(key) != now.get(key):
                 raise RunDirError(f"cannot resume {self.root}: '{key}' was {saved.get(key)!r} and is now "

@@ -481,3 +481,18 @@ def test_a_prompt_longer_than_the_model_positions_is_one_line(tmp_path, model, c
     lines = [x for x in err.splitlines() if x.startswith("error:") or "error:" in x]
     assert code == 2 and "Traceback" not in err and len(lines) == 1
     assert re.search(r"error: prompt 0 has \d+ tokens; the model accepts 4096 positions", lines[0])
+
+
+def test_a_run_from_before_a_new_config_section_resumes(tmp_path, model, rl):
+    import yaml
+
+    rl(tmp_path, model, **{"experiment.total_step": 1})
+    saved = tmp_path / "run" / "config.yaml"
+    tree = yaml.safe_load(saved.read_text())
+    del tree["process_reward"], tree["tensorboard"], tree["experiment"]["keep_checkpoints"]  # an older version's
+    saved.write_text(yaml.safe_dump(tree, sort_keys=False))
+    history = rl(tmp_path, model, **{"experiment.total_step": 2, "experiment.start_from_scratch": "false"})
+    assert [m["step"] for m in history] == [1, 2]
+    with pytest.raises(RunDirError, match="'process_reward.k_sample' was 3 and is now 5"):  # a real change is not
+        rl(tmp_path, model, **{"experiment.total_step": 3, "experiment.start_from_scratch": "false",
+                               "process_reward.k_sample": 5})
