@@ -186,7 +186,8 @@ def load_model(cfg: Any, device: str | torch.device = "cpu") -> Adapter:
     model and the tokenizer).
 
     ``cfg`` is the ``model`` section of a job config (attribute or key access): pretrained_model, model_base,
-    optional tokenizer (folder), dtype, attn_backend, block_size.
+    optional tokenizer (folder), dtype, attn_backend. The adapter's block size is the checkpoint's own
+    (``config.block_size`` of block models); samplers and training views take theirs from their settings.
     """
     get = (lambda k, d=None: cfg.get(k, d)) if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
     model_base = get("model_base")
