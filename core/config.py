@@ -29,6 +29,7 @@ from core.schema import SettingError, Settings, bounded, check_fields, config_fi
 from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
+from train.algorithms import value_model_refusal
 from train.settings import (
     LRSchedulerConfig,
     OptimizerConfig,
@@ -362,6 +363,8 @@ class RLConfig(Settings):
         check_builtin_type(self.dataset.train_dataset, self.dataset.data_type, "dataset.data_type",
                            "dataset.train_dataset")
         check_block_sizes(self.model, {"rollout": self.rollout, "evaluation": self.evaluation})
+        if self.model.value_base_model and value_model_refusal(self.training.method):
+            raise SettingError("training.method", value_model_refusal(self.training.method))
         if self.model.process_reward_model:
             if not self.model.value_base_model:
                 raise SettingError("model.process_reward_model", "the process reward needs the value model (set "

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from sample.trajectory import Trajectory
-from train.views import ModelTraits, ViewConfig, build_view, collapse_k_unique
+from train.algorithms.tracerl import collapse_k_unique
+from train.views import ModelTraits, ViewConfig, build_view
 
 MASK, PAD, STOP = 99, 0, 1
 BLOCK2 = ModelTraits(mask_id=MASK, pad_id=PAD, attention="block", block_size=2)

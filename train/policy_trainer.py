@@ -1,8 +1,9 @@
 """PolicyTrainer: one RL step = views -> old log-probs -> clipped policy-gradient updates, for every family.
 
 The optimisation loop is train/trainer.py's; this class adds the policy's hooks: old log-probs (the sampler's, or
-recomputed under no_grad before any update), new log-probs of the trained tokens as outputs, and the clipped
-policy-gradient loss with its KL terms (train/loss.py), optionally against a frozen reference model.
+recomputed under no_grad before any update), new log-probs of the trained tokens as outputs, and the algorithm's
+loss (train/algorithms/; the clipped policy-gradient loss with its KL terms, train/loss.py), optionally against a
+frozen reference model.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from train.loss import LossOutput, policy_loss
+from train.algorithms import algorithm
+from train.batch import TrainBatch
+from train.loss import LossOutput
 from train.settings import LRSchedulerConfig, OptimizerParams, RLTrainingConfig
 from train.trainer import Plan, Trainer
-from train.views import TrainBatch
 
 __all__ = ["PolicyTrainer", "Plan"]
 
@@ -27,6 +29,7 @@ class PolicyTrainer(Trainer):
                  lr_scheduler: LRSchedulerConfig | None = None, total_steps: int | None = None,
                  accelerator: Any = None, ref_model: Any = None):
         super().__init__(adapter, cfg, optimizer, lr_scheduler, total_steps, accelerator)
+        self.algorithm = algorithm(cfg.method)  # training.method: its loss (the views read the method too)
         self.ref_model = ref_model
         if ref_model is not None:  # frozen reference for the ref_beta KL (a full copy per process)
             self.ref_model = ref_model.to(self.accelerator.device).eval().requires_grad_(False)
@@ -53,7 +56,7 @@ class PolicyTrainer(Trainer):
         return self.forward_logprobs(self.model, mb)
 
     def loss(self, mb: TrainBatch, logp_new: Tensor) -> LossOutput:
-        return policy_loss(logp_new, mb.old_logprobs, mb.advantages, mb.weights, self.cfg,
+        return self.algorithm.loss(logp_new, mb.old_logprobs, mb.advantages, mb.weights, self.cfg,
                            self._ref_logprobs(mb))
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:

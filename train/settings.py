@@ -13,10 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.schema import SettingError, Settings, bounded
-
-METHODS = ("tracerl", "random_masking", "coupled", "semi_ar", "ar")
-_METHOD_NAMES = {"tracerl": "tracerl", "trace_rl": "tracerl", "random_masking": "random_masking",
-                 "coupled": "coupled", "semi_ar": "semi_ar", "ar": "ar"}
+from train.algorithms import canonical_method, method_choices
 
 
 @dataclass
@@ -28,7 +25,8 @@ class Seeded(Settings):
 class ViewConfig(Seeded):
     """How trajectories become training rows (see train/views.py)."""
 
-    # TraceRL | random_masking | coupled (RL and SFT); semi_ar | ar (SFT of full-attention models)
+    # an algorithm of train/algorithms/: TraceRL | random_masking | coupled (RL and SFT); semi_ar | ar (SFT of
+    # full-attention models)
     method: str = "tracerl"
     layout: Literal["packed", "per_round"] = "packed"  # block models only; full attention: one row per unit
     # packed rows hold at most this many tokens: a sample's rounds are spread over several packed rows (at least one
@@ -54,10 +52,9 @@ class ViewConfig(Seeded):
 
     def validate(self) -> None:
         super().validate()
-        method = _METHOD_NAMES.get(str(self.method).lower())
+        method = canonical_method(self.method)
         if method is None:
-            raise SettingError("method", f"method must be one of TraceRL, random_masking, coupled, semi_ar, ar; got "
-                                         f"{self.method!r}")
+            raise SettingError("method", f"method must be one of {method_choices()}; got {self.method!r}")
         self.method = method
         if self.lower_p > self.upper_p:
             raise SettingError("lower_p", f"lower_p ({self.lower_p}) exceeds upper_p ({self.upper_p})")

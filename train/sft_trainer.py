@@ -16,10 +16,10 @@ from torch import Tensor
 from core.loader import ConfigError
 from core.schema import replace
 from sample.trajectory import Trajectory
+from train.batch import TrainBatch
 from train.loss import LossOutput
 from train.settings import SFTTrainingConfig
 from train.trainer import Trainer
-from train.views import TrainBatch
 
 
 def sft_sample(prompt_ids: list[int], response_ids: list[int], sample_id: str, step_map: list[int] | None = None,

@@ -32,11 +32,12 @@ from torch import Tensor
 from core.errors import UserError
 from core.schema import replace as replace_settings
 from sample.trajectory import Trajectory
+from train.batch import TrainBatch
 from train.logprobs import gathered_logprobs
 from train.loss import LOSS_KEYS, LossOutput, finalize_metrics, sum_metrics
 from train.schedules import LRSchedule
 from train.settings import LRSchedulerConfig, OptimizerParams, TrainerSettings
-from train.views import ModelTraits, TrainBatch, build_view
+from train.views import ModelTraits, build_view
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 
 from sample.trajectory import Trajectory
+from train.batch import TrainBatch
 from train.gae import outcome_token_rewards, step_gae
 from train.loss import LossOutput
 from train.trainer import Plan, Trainer
-from train.views import TrainBatch
 
 
 def value_loss(v: Tensor, v_old: Tensor, returns: Tensor, weights: Tensor, eps: float) -> LossOutput:
