@@ -25,7 +25,7 @@ from sample.trajectory import Trajectory
 from train.settings import ViewConfig
 
 if TYPE_CHECKING:
-    from train.views import ModelTraits
+    from train.traits import ModelTraits
 
 
 @dataclass

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from train.algorithms.base import Algorithm
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -58,8 +55,9 @@ def value_model_refusal(method: str) -> str:
             "is read at the state before its decoding step, which only TraceRL's rows reproduce")
 
 
-def algorithm(method: str) -> Algorithm:
-    """The algorithm registered as ``method`` (a registry name or alias)."""
+def algorithm(method: str) -> Any:
+    """The algorithm registered as ``method`` (a registry name or alias): a train.algorithms.base.Algorithm, not
+    imported here, so this registry stays below the algorithms it names."""
     name = canonical_method(method)
     if name is None:
         raise ValueError(f"unknown training method {method!r}; expected one of {method_choices()}")

@@ -21,7 +21,7 @@ from train.samples import Sample
 from train.settings import ViewConfig
 
 if TYPE_CHECKING:
-    from train.views import ModelTraits
+    from train.traits import ModelTraits
 
 PROMPT, RESPONSE, TAIL = 0, 1, 2  # token kinds of a block geometry
 
