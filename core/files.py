@@ -59,10 +59,19 @@ class RunLock:
         import fcntl
 
         self.path = make_run_dir(root) / LOCK_NAME
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:
+            raise RunDirError(f"cannot write in the run directory {root}: permission denied") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as err:
+            if not isinstance(err, BlockingIOError):  # a file system without flock (Lustre without -o flock, ...)
+                os.close(self.fd)
+                self.fd = None
+                print(f"note: {self.path.parent} cannot be locked ({err.strerror}); running without a lock",
+                      flush=True)
+                return
             holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "another process"
             os.close(self.fd)
             raise RunDirError(f"run directory {root} is in use by a live run (pid {holder}); wait for it to end, "
@@ -72,10 +81,10 @@ class RunLock:
         _HELD_LOCKS.add(self.fd)
 
     def release(self) -> None:
-        if self.fd is not None:
+        if self.fd is not None and self.fd in _HELD_LOCKS:  # not in a forked child, which dropped its copy
             _HELD_LOCKS.discard(self.fd)
             os.close(self.fd)  # closing the descriptor releases the flock
-            self.fd = None
+        self.fd = None
 
 
 def run_dir_entries(root: Path) -> list[Path]:
@@ -93,6 +102,8 @@ def disk_full(err: BaseException, where: Path | None = None) -> bool:
         e = e.__cause__ or e.__context__
     if any(isinstance(e, OSError) and e.errno in DISK_FULL for e in chain):
         return True
+    if any(m in str(err) for m in ("os error 28", "os error 122", "No space left on device")):  # safetensors' Rust
+        return True
     if where is None or not isinstance(err, (OSError, RuntimeError)):
         return False
     probe = next((p for p in [where, *where.parents] if p.exists()), None)
@@ -102,13 +113,14 @@ def disk_full(err: BaseException, where: Path | None = None) -> bool:
     return usage.free < min(2**20, usage.total * 0.05)
 
 
-def disk_full_error(where: Path, needed: int | None) -> RunDirError:
+def disk_full_error(where: Path, needed: int | None, removed: bool = True) -> RunDirError:
     """The one line for a write that ran out of space at ``where``; ``needed``: bytes one save takes, if known."""
     probe = next((p for p in [where, *where.parents] if p.exists()), where)
     free = shutil.disk_usage(probe).free
     need = f"; a save of this run needs about {_mb(needed)}" if needed else ""
-    return RunDirError(f"no space left on the device while writing {where} ({_mb(free)} free{need}); the "
-                       "unfinished save was removed: free space and resume with experiment.start_from_scratch=false")
+    done = "the unfinished save was removed: " if removed else ""
+    return RunDirError(f"no space left on the device while writing {where} ({_mb(free)} free{need}); {done}free "
+                       "space and resume with experiment.start_from_scratch=false")
 
 
 def _mb(n: int) -> str:

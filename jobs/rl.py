@@ -68,7 +68,10 @@ STEP_PREFIX, PARTIAL = "step_", ".partial"
 RESUMABLE_CHANGES = ("experiment.total_step", "experiment.start_from_scratch", "experiment.overwrite",
                      "experiment.eval_every", "experiment.save_every", "experiment.keep_checkpoints",
                      "experiment.max_idle_steps", "experiment.output_dir", "experiment.project", "wandb.enabled",
-                     "wandb.entity", "wandb.resume", "tensorboard.enabled", "tensorboard.log_dir")
+                     "wandb.entity", "wandb.resume", "tensorboard.enabled", "tensorboard.log_dir",
+                     # where the judge is served and how it is called (not what it grades)
+                     "process_reward.base_url", "process_reward.api_key_env", "process_reward.timeout",
+                     "process_reward.retries", "process_reward.concurrency")
 
 
 # ------------------------------------------------------------------------------------------ run directory
@@ -109,8 +112,10 @@ class RunDir:
         return None
 
     def prune_checkpoints(self, keep: int) -> None:
-        """Keep the ``keep`` newest checkpoints (0: all); older steps keep their rollouts, metrics and evaluation."""
-        if keep:
+        """Keep the ``keep`` newest checkpoints (0: all), once the newest reads back; older steps keep their
+        rollouts, metrics and evaluation."""
+        saved = self.checkpoints()
+        if keep and saved and checkpoint_problem(self.step(saved[-1]) / "ckpt") is None:
             for i in self.checkpoints()[:-keep]:
                 shutil.rmtree(self.step(i) / "ckpt")
 
@@ -134,12 +139,13 @@ class RunDir:
             yield partial
             if main:
                 os.replace(partial, self.step(i))
-        except (OSError, RuntimeError) as err:
+        except Exception as err:  # writers report a full disk as OSError, RuntimeError or SafetensorError
             if not disk_full(err, partial):
                 raise
-            shutil.rmtree(partial, ignore_errors=True)
-            previous = self.complete_steps()
-            raise disk_full_error(partial, tree_bytes(self.step(previous[-1])) if previous else None) from None
+            if main:  # the other ranks may still be writing their shards into it
+                shutil.rmtree(partial, ignore_errors=True)
+            saved = self.checkpoints()
+            raise disk_full_error(partial, tree_bytes(self.step(saved[-1]) / "ckpt") if saved else None) from None
 
     def metrics(self) -> list[dict]:
         return [json.loads((self.step(i) / "metrics.json").read_text()) for i in self.complete_steps()]
@@ -276,6 +282,10 @@ class RLJob:
         self._check_same_config()
         last = self.run.resumable_checkpoint() if self.main else None
         last = gather_objects(self.acc, [last])[0]  # rank 0's choice (it alone verified the files)
+        if last is None and self.run.checkpoints():  # never throw a run away because its checkpoints do not read
+            raise RunDirError(f"cannot resume {self.root}: no checkpoint reads back (steps "
+                              f"{', '.join(map(str, self.run.checkpoints()))}; see the notes above); repair or "
+                              "remove them, or start again with experiment.overwrite=true")
         if last is None and self.main:
             print(f"note: {self.root} holds no complete checkpoint yet; the run starts again from "
                   "model.pretrained_model", flush=True)
@@ -501,10 +511,10 @@ class RLJob:
                     _link(self.root / "ckpt" / self.cfg.model.optimized_value_name,
                           self.run.step(last) / "ckpt" / "value" / "policy")
             self.run.prune_checkpoints(self.cfg.experiment.keep_checkpoints)
-        except (OSError, RuntimeError) as err:
+        except Exception as err:
             if not disk_full(err, self.root):
                 raise
-            raise disk_full_error(self.root, None) from None
+            raise disk_full_error(self.root, None, removed=False) from None
 
 
 def run_rl(cfg: Any, progress: bool = True) -> list[dict]:

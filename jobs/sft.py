@@ -289,10 +289,11 @@ class SFTJob:
         """A full disk while writing ``where``: remove the unfinished folder, one line naming it and the size."""
         try:
             yield
-        except (OSError, RuntimeError) as err:
+        except Exception as err:  # writers report a full disk as OSError, RuntimeError or SafetensorError
             if not disk_full(err, where):
                 raise
-            shutil.rmtree(where, ignore_errors=True)
+            if self.main:  # the other ranks may still be writing their shards into it
+                shutil.rmtree(where, ignore_errors=True)
             raise disk_full_error(where, tree_bytes(self.last) or None) from None
 
 

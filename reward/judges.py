@@ -12,6 +12,7 @@ reference's stop strings.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
@@ -58,7 +59,8 @@ class EndpointJudge:
                 return self._post(body)
             except JudgeError:
                 raise
-            except (urllib.error.URLError, OSError, ValueError, KeyError) as err:
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError, KeyError, IndexError,
+                    TypeError) as err:  # unreachable, cut off or a malformed reply: retried, then one line
                 last = _describe(err)
                 if attempt < self.cfg.retries:
                     self.failures += 1

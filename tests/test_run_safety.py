@@ -496,3 +496,29 @@ def test_a_run_from_before_a_new_config_section_resumes(tmp_path, model, rl):
     with pytest.raises(RunDirError, match="'process_reward.k_sample' was 3 and is now 5"):  # a real change is not
         rl(tmp_path, model, **{"experiment.total_step": 3, "experiment.start_from_scratch": "false",
                                "process_reward.k_sample": 5})
+
+
+def test_safetensors_full_disk_and_unreadable_checkpoints_never_lose_the_run(tmp_path, model, rl, monkeypatch):
+    from safetensors import SafetensorError
+
+    import jobs.rl
+
+    real = jobs.rl.save_checkpoint
+
+    def full(trainer, ckpt, extra=None):  # what safetensors raises on ENOSPC (not an OSError)
+        if ckpt.parent.name == "step_2.partial":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(trainer, ckpt, extra)
+
+    monkeypatch.setattr(jobs.rl, "save_checkpoint", full)
+    with pytest.raises(RunDirError, match="no space left on the device while writing .*step_2.partial"):
+        rl(tmp_path, model, **{"experiment.keep_checkpoints": 1})
+    monkeypatch.setattr(jobs.rl, "save_checkpoint", real)
+    run = tmp_path / "run"
+    assert not (run / "step_2.partial").exists() and (run / "step_1" / "ckpt" / "DONE").is_file()
+    # the only checkpoint (keep_checkpoints=1) truncated: resuming refuses instead of starting the run over
+    policy = run / "step_1" / "ckpt" / "policy" / "model.safetensors"
+    policy.write_bytes(policy.read_bytes()[:500])
+    with pytest.raises(RunDirError, match=r"cannot resume .*: no checkpoint reads back \(steps 1;"):
+        rl(tmp_path, model, **{"experiment.keep_checkpoints": 1, "experiment.start_from_scratch": "false"})
+    assert (run / "step_1" / "rollouts.jsonl").is_file()

@@ -179,7 +179,8 @@ class Trainer:
         grad_norm = None
         if self.cfg.max_grad_norm:
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-            self._stop_if_not_finite("gradient norm", float(grad_norm))
+            if grad_norm is not None and not _loss_scaled(acc):  # fp16 loss scaling skips overflowing steps itself
+                self._stop_if_not_finite("gradient norm", float(grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         acc.gradient_state._set_sync_gradients(True)
@@ -261,6 +262,11 @@ def _enable_checkpointing(model: Any) -> None:
         enable({"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _loss_scaled(acc: Any) -> bool:
+    """fp16 with a loss scaler (accelerate's or DeepSpeed's): an inf gradient norm is a skipped step, not an error."""
+    return getattr(acc, "scaler", None) is not None or getattr(acc, "mixed_precision", "no") == "fp16"
 
 
 def _is_deepspeed(acc: Any) -> bool:
