@@ -71,9 +71,14 @@ def family_linear_names(model: Any) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and n})
 
 
-def _head_name(model: Any) -> str | None:
+def _head_names(model: Any) -> list[str]:
+    """The LM head's module name(s): the output embeddings, or the linear layers emitting one logit per token."""
+    from torch import nn
+
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return next((n for n, m in model.named_modules() if head is not None and m is head), None)
+    vocab = model.get_input_embeddings().num_embeddings
+    return [n for n, m in model.named_modules() if n and (m is head if head is not None else (
+        isinstance(m, nn.Linear) and m.out_features == vocab))]
 
 
 def peft_config(settings: LoraSettings, model: Any, model_base: str) -> Any:
@@ -89,8 +94,8 @@ def peft_config(settings: LoraSettings, model: Any, model_base: str) -> Any:
     if not targets or unknown:
         raise _model_error(f"lora.target_modules {unknown or targets} match no module of this {model_base} model; "
                            f"its linear modules are {names}")
-    head = _head_name(model)
-    exclude = [head] if head and settings.target_modules is None else None  # LLaDA's head is also named ff_out
+    heads = _head_names(model)
+    exclude = heads if heads and settings.target_modules is None else None  # LLaDA's head is also named ff_out
     return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                       target_modules=targets, exclude_modules=exclude, bias=settings.bias,
                       modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None)
