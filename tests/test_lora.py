@@ -175,7 +175,7 @@ def test_bad_lora_input_is_one_line(tmp_path, tiny, ckpts):
     with pytest.raises(ModelLoadError, match="does not match this base model"):
         load_adapter(tiny("llada").model, tmp_path / "adapter")
     with pytest.raises(ModelLoadError, match="does not match this base model"):
-        load_adapter(tiny("sdar", hidden_size=32).model, tmp_path / "adapter")
+        load_adapter(tiny("sdar", size="demo").model, tmp_path / "adapter")
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="needs a CUDA GPU"):
             load_model({"pretrained_model": str(ckpts["sdar"]), "model_base": "sdar"}, load_in_4bit=True)
