@@ -43,6 +43,7 @@ class LoraSettings(Settings):
     bias: Literal["none", "all", "lora_only"] = "none"  # which biases train beside the adapters
     modules_to_save: list[str] | None = None  # modules trained whole and saved with the adapter (e.g. lm_head)
     load_in_4bit: bool = False  # QLoRA: the frozen base in 4-bit NF4 (CUDA + bitsandbytes only)
+    init_seed: int = 0  # seeds the adapters' random init (lora_A), so a run and its resume agree
 
     def validate(self) -> None:
         super().validate()
@@ -113,7 +114,13 @@ def wrap(adapter: Any, settings: LoraSettings, resume: str | Path | None = None)
     if resume is not None:
         adapter.model = load_adapter(model, resume, trainable=True)
     else:
-        adapter.model = get_peft_model(model, peft_config(settings, model, adapter.model_base))
+        import torch
+
+        config = peft_config(settings, model, adapter.model_base)
+        devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
+        with torch.random.fork_rng(devices=devices):  # a seeded init that leaves the caller's RNG as it was
+            torch.manual_seed(settings.init_seed)
+            adapter.model = get_peft_model(model, config)
     return adapter
 
 
