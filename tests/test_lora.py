@@ -137,15 +137,16 @@ def test_lora_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, ckpts):
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = comparable([json.loads(x) for x in (whole / "run" / "metrics.jsonl").read_text().splitlines()])
     final = load_file(str(whole / "run" / "step_3" / "ckpt" / "policy" / "adapter_model.safetensors"))
-    out = tmp_path / "killed"
-    killed = _harness(demo_args(out, ckpts["sdar"], **LORA), kill="train:3")
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = _harness(demo_args(out, ckpts["sdar"], **LORA, **{"experiment.start_from_scratch": "false"}))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    got = comparable([json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()])
-    assert [m["step"] for m in got] == [1, 2, 3] and got == reference
-    again = load_file(str(out / "run" / "step_3" / "ckpt" / "policy" / "adapter_model.safetensors"))
-    assert again.keys() == final.keys() and all(torch.equal(final[k], again[k]) for k in final)
+    for kill in ("train:3", "save:2"):  # resumes from the step-2, then the step-1 checkpoint (adapter + optimizer)
+        out = tmp_path / kill.replace(":", "_")
+        killed = _harness(demo_args(out, ckpts["sdar"], **LORA), kill=kill)
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        resumed = _harness(demo_args(out, ckpts["sdar"], **LORA, **{"experiment.start_from_scratch": "false"}))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        got = comparable([json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()])
+        assert [m["step"] for m in got] == [1, 2, 3] and got == reference, kill
+        again = load_file(str(out / "run" / "step_3" / "ckpt" / "policy" / "adapter_model.safetensors"))
+        assert again.keys() == final.keys() and all(torch.equal(final[k], again[k]) for k in final), kill
 
 
 def test_lora_sft_writes_an_adapter_and_resumes(tmp_path, ckpts):
