@@ -14,7 +14,7 @@ import torch
 from core.config import ConfigError, load_config
 from models.common import AttentionLayout
 from models.layers import Projections, packed_projections
-from models.lora import LoraSettings, load_adapter, merged_for_sampling, wrap
+from models.lora import LoraSettings, load_adapter, load_policy, merged_for_sampling, wrap
 from models.registry import ModelLoadError, load_model
 from models.tiny import save_tiny_checkpoint
 from tests.test_rl import _harness, comparable, demo_args
@@ -177,6 +177,9 @@ def test_bad_lora_input_is_one_line(tmp_path, tiny, ckpts):
         load_adapter(tiny("llada").model, tmp_path / "adapter")
     with pytest.raises(ModelLoadError, match="does not match this base model"):
         load_adapter(tiny("sdar", size="demo").model, tmp_path / "adapter")
+    with pytest.raises(ModelLoadError, match="does not run under DeepSpeed"):
+        load_policy({"pretrained_model": str(ckpts["sdar"]), "model_base": "sdar"}, LoraSettings(enabled=True), None,
+                    "cpu", deepspeed=True)
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="needs a CUDA GPU"):
             load_model({"pretrained_model": str(ckpts["sdar"]), "model_base": "sdar"}, load_in_4bit=True)
@@ -185,3 +188,23 @@ def test_bad_lora_input_is_one_line(tmp_path, tiny, ckpts):
 
             run_rl(load_config(demo_args(tmp_path / "q", ckpts["sdar"], **LORA, **{"lora.load_in_4bit": "true"}),
                                "rl"), progress=False)
+
+
+@pytest.mark.slow
+def test_lora_under_two_process_ddp_keeps_ranks_identical(tmp_path, ckpts):
+    import os
+
+    from tests.test_train_distributed import _free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RL_HARNESS"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RL_HARNESS_DUMP=str(tmp_path / "w"))
+    args = demo_args(tmp_path, ckpts["sdar"], **LORA, **{"experiment.total_step": 2, "experiment.save_every": 2,
+                                                        "rollout.num_task_per_step": 4})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "--main_process_port", str(_free_port()),
+           str(ROOT / "tests" / "rl_harness.py"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["digest"] == ranks[1]["digest"] and ranks[0]["num_processes"] == 2
+    assert (tmp_path / "run" / "step_2" / "ckpt" / "policy" / "adapter_model.safetensors").is_file()
