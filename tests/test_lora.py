@@ -137,7 +137,7 @@ def test_lora_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, ckpts):
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = comparable([json.loads(x) for x in (whole / "run" / "metrics.jsonl").read_text().splitlines()])
     final = load_file(str(whole / "run" / "step_3" / "ckpt" / "policy" / "adapter_model.safetensors"))
-    for kill in ("train:3", "save:2"):  # resumes from the step-2, then the step-1 checkpoint (adapter + optimizer)
+    for kill in ("train:3",):  # resumes from the step-2 checkpoint (adapter + optimizer + RNG); one kill keeps it fast
         out = tmp_path / kill.replace(":", "_")
         killed = _harness(demo_args(out, ckpts["sdar"], **LORA), kill=kill)
         assert killed.returncode == -9, killed.stderr[-3000:]
