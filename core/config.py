@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from core.loader import ConfigError, load, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
+from models.lora import LoraSettings
 from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
@@ -99,6 +100,11 @@ class ModelConfig(Settings):
     # CPU demos only: when pretrained_model is one of the demo paths (DEMO_MODEL_DIRS) and does not exist, build
     # a tiny model of model_base there (demo tokenizer, nothing downloaded). Any other path must exist.
     init_tiny_if_missing: bool = False
+
+
+@dataclass
+class EvalModelConfig(ModelConfig):
+    adapter: str | None = None  # a LoRA adapter folder (peft format) merged into pretrained_model at load
 
 
 @dataclass
@@ -298,7 +304,7 @@ class EvalConfig(Settings):
     """eval.py."""
 
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)
     dataset: EvalDatasetConfig = field(default_factory=EvalDatasetConfig)
     rollout: EvalRollout = field(default_factory=lambda: EvalRollout(num_response_per_task=3))
     execute: SandboxConfig = field(default_factory=SandboxConfig)
@@ -353,6 +359,7 @@ class RLConfig(Settings):
     training: RLTrainingConfig = field(default_factory=RLTrainingConfig)
     optimizer: RLOptimizerConfig = field(default_factory=RLOptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
@@ -398,6 +405,7 @@ class SFTConfig(Settings):
     training: SFTTrainingConfig = field(default_factory=SFTTrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
     system: SystemConfig = field(default_factory=SystemConfig)
 
 

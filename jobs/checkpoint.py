@@ -107,7 +107,8 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     policy, trainer = ckpt / "policy", ckpt / "trainer"
     if not list(policy.glob("*.safetensors")):
         return f"{policy} holds no weights"
-    for path in (policy / "config.json", trainer / "loop.json"):
+    config = policy / ("adapter_config.json" if (policy / "adapter_config.json").is_file() else "config.json")
+    for path in (config, trainer / "loop.json"):  # a LoRA run's policy/ is its adapter (peft's format)
         try:
             json.loads(path.read_text())
         except (OSError, ValueError) as err:

@@ -54,6 +54,7 @@ from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
 from jobs.sft import run_sft
 from jobs.trackers import start_trackers
+from models.lora import load_policy
 from models.registry import load_model
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages
@@ -214,9 +215,9 @@ class RLJob:
             if self.main:
                 ensure_demo_model(cfg.model, run_sft)
             barrier(self.acc)
-        source = cfg.model.pretrained_model if resume_from is None else str(self._policy_dir(resume_from))
-        model_cfg = _with_path(cfg.model, source)
-        self.adapter = load_model(model_cfg, device=default_device())
+        resume_dir = None if resume_from is None else self._policy_dir(resume_from)
+        self.adapter = load_policy(cfg.model, cfg.lora, resume_dir, default_device(),  # LoRA: models/lora.py
+                                   deepspeed=self.acc.distributed_type == DistributedType.DEEPSPEED)
         check_for_model("rollout", cfg.rollout, self.adapter)
         for params in cfg.evaluation.runs():
             check_for_model("evaluation", params, self.adapter)

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from core.config import config_text
@@ -36,7 +37,8 @@ from data.tasks import arithmetic_task
 from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, load_checkpoint, save_checkpoint
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main
-from models.registry import family_spec, load_model
+from models.lora import load_policy
+from models.registry import family_spec
 from sample.trajectory import Trajectory
 from train.accelerator import build_accelerator
 from train.sft_trainer import SFTTrainer, sft_sample
@@ -183,8 +185,9 @@ class SFTJob:
         if self.main and not resume:
             ensure_demo_model(cfg.model, run_sft)
         barrier(self.acc)
-        source = str(self.last / "policy") if resume else cfg.model.pretrained_model
-        self.adapter = load_model(replace(cfg.model, pretrained_model=source), device=default_device())
+        deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
+        self.adapter = load_policy(cfg.model, cfg.lora, self.last / "policy" if resume else None,  # LoRA: lora.py
+                                   default_device(), deepspeed=deepspeed)
         self.samples = self._samples()
         per_step = t.samples_per_step or len(self.samples)
         self.steps_per_epoch = math.ceil(len(self.samples) / per_step)

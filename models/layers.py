@@ -237,13 +237,23 @@ def packed_projections(model: nn.Module) -> Iterator[None]:
         if packing_applies(model) else []
     for module in modules:
         groups = {group: [getattr(module, name) for name in names] for group, names in module.projection_groups.items()}
+        groups = {group: [_packable(m) for m in linears] for group, linears in groups.items()}
         module._packed = {group: PackedLinear(linears) for group, linears in groups.items()
-                          if all(type(m) is nn.Linear for m in linears)}  # a wrapped layer (adapters) runs as is
+                          if all(m is not None for m in linears)}  # a wrapped layer (unmerged adapters) runs as is
     try:
         yield
     finally:
         for module in modules:
             module.__dict__.pop("_packed", None)
+
+
+def _packable(module: nn.Module) -> nn.Linear | None:
+    """The plain ``nn.Linear`` a packed product may stand for: the module itself, or the base layer of an adapter
+    layer whose adapters are merged into it (peft's ``merged``: the layer's output is then its base layer's)."""
+    if type(module) is nn.Linear:
+        return module
+    base = getattr(module, "base_layer", None)
+    return base if type(base) is nn.Linear and getattr(module, "merged", False) else None
 
 
 def init_linear_normal(module: nn.Module, std: float) -> None:

@@ -36,14 +36,20 @@ class FamilySpec:
     attention: str  # "block" | "full"
     shift_logits: bool
     turn_end: str  # token closing an assistant turn (a natural stop token)
+    # LoRA's default targets (lora.target_modules: null): the attention and MLP projections, by the family's own
+    # module names (a name matches every layer's module of that name; the LM head is never a default target)
+    lora_targets: tuple[str, ...] = ()
 
+
+_QWEN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LLADA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 
 FAMILIES: dict[str, FamilySpec] = {
-    "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>"),
-    "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>"),
-    "dream": FamilySpec("dream", ("Dream", "dream"), DreamModel, "full", True, "<|im_end|>"),
-    "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, "full", False, "<|eot_id|>"),
-    "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, "full", False, "<|eot_id|>"),
+    "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>", _QWEN_TARGETS),
+    "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>", _QWEN_TARGETS),
+    "dream": FamilySpec("dream", ("Dream", "dream"), DreamModel, "full", True, "<|im_end|>", _QWEN_TARGETS),
+    "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, "full", False, "<|eot_id|>", _LLADA_TARGETS),
+    "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, "full", False, "<|eot_id|>", _LLADA_TARGETS),
 }
 
 
@@ -181,13 +187,15 @@ def _mask_id(tokenizer: Any, model: Any) -> int:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(cfg: Any, device: str | torch.device = "cpu") -> Adapter:
+def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool = False) -> Adapter:
     """Load ``cfg.pretrained_model`` (a local folder) for ``cfg.model_base``; returns its adapter (which holds the
     model and the tokenizer).
 
     ``cfg`` is the ``model`` section of a job config (attribute or key access): pretrained_model, model_base,
-    optional tokenizer (folder), dtype, attn_backend. The adapter's block size is the checkpoint's own
-    (``config.block_size`` of block models); samplers and training views take theirs from their settings.
+    optional tokenizer (folder), dtype, attn_backend, optional adapter (a LoRA adapter folder merged into the
+    weights at load, models/lora.py). The adapter's block size is the checkpoint's own (``config.block_size`` of
+    block models); samplers and training views take theirs from their settings. ``load_in_4bit``: the weights in
+    4-bit NF4 (QLoRA; CUDA only).
     """
     get = (lambda k, d=None: cfg.get(k, d)) if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
     model_base = get("model_base")
@@ -205,13 +213,38 @@ def load_model(cfg: Any, device: str | torch.device = "cpu") -> Adapter:
                              f"(expected {' or '.join(spec.model_types)})")
     dtype = DTYPES[get("dtype", "float32") or "float32"]
     overrides = {"attn_backend": get("attn_backend", "sdpa") or "sdpa"}
+    if load_in_4bit:
+        overrides.update(_four_bit(dtype, device))
     tokenizer = load_tokenizer(get("tokenizer") or path)
-    model = _from_pretrained(spec.model_class, path, dtype, overrides).to(device)
+    model = _from_pretrained(spec.model_class, path, dtype, overrides)
+    if not load_in_4bit:  # a quantized model is placed by device_map and cannot be moved
+        model = model.to(device)
+    if get("adapter"):
+        from models.lora import merged_model
+
+        model = merged_model(model, get("adapter"))
     rows = model.get_input_embeddings().num_embeddings  # (the weight may be partitioned by ZeRO-3)
     if len(tokenizer) > rows:
         raise ModelLoadError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
                              f"{rows} rows (a tokenizer of another model? set model.tokenizer)")
     return make_adapter(model, tokenizer, model_base)
+
+
+def _four_bit(dtype: torch.dtype, device: str | torch.device) -> dict:
+    """from_pretrained arguments of a 4-bit NF4 base (QLoRA): CUDA and bitsandbytes only, one line otherwise."""
+    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        raise ModelLoadError("lora.load_in_4bit (QLoRA) needs a CUDA GPU, and this process has none; set "
+                             "lora.load_in_4bit=false to train LoRA adapters on the unquantized model")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ModelLoadError("lora.load_in_4bit (QLoRA) needs the bitsandbytes package "
+                             "(pip install bitsandbytes)") from None
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True),
+            "device_map": {"": torch.device(device)}}
 
 
 def _from_pretrained(model_class: type, path: Path, dtype: torch.dtype, overrides: dict) -> Any:

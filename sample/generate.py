@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from models.layers import packed_projections
+from models.lora import merged_for_sampling
 from sample.block_sampler import BlockSampler
 from sample.engine import RolloutStats, run_engine
 from sample.full_sampler import FullSampler
@@ -60,7 +61,7 @@ def generate(adapter: Any, prompts: Sequence[Prompt] | str, params: SamplingPara
     was_training = adapter.model.training
     adapter.model.eval()
     try:
-        with torch.inference_mode(), packed_projections(adapter.model):
+        with merged_for_sampling(adapter.model), torch.inference_mode(), packed_projections(adapter.model):
             trajectories = run_engine(sampler, ids, params.max_active, adapter.tokenizer, on_finish)
     finally:
         adapter.model.train(was_training)

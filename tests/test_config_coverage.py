@@ -119,7 +119,9 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_e
          "training.method=random_masking", "training.old_logp=recompute", "rollout.block_size=2",
          "rollout.steps=2", "evaluation.block_size=2", "evaluation.steps=2",
          "rollout.remasking_strategy=entropy_bounded", "reward.filter_all_equal=false",
-         "tensorboard.enabled=true", f"tensorboard.log_dir={tmp_path / 'tb'}"],
+         "tensorboard.enabled=true", f"tensorboard.log_dir={tmp_path / 'tb'}",
+         "lora.enabled=true", "lora.rank=2", "lora.alpha=4", "lora.dropout=0.1", "lora.bias=lora_only",
+         "lora.target_modules=[q_proj,v_proj,ff_proj]", "lora.modules_to_save=[]", "lora.init_seed=3"],
         [*common, f"model.pretrained_model={sdar}", "experiment.project=c", "dataset.train_dataset=builtin:code",
          "dataset.data_type=code", "evaluation.eval_dataset=builtin:code", "evaluation.data_type=code",
          "execute.num_chunk=2", "reward.filter_all_equal=false"],
@@ -160,7 +162,9 @@ def test_every_sft_key_is_consumed(tmp_path, demo_tokenizer):
              "training.mask_times_per_sample=2"],
             [*common, "experiment.project=a", "experiment.start_from_scratch=false", "training.max_steps=3"],
             [*common, "experiment.project=a", "experiment.overwrite=true", "training.method=trace",
-             "training.shrink=2", "training.layout=per_round"]]
+             "training.shrink=2", "training.layout=per_round", "lora.enabled=true", "lora.rank=2", "lora.alpha=4",
+             "lora.dropout=0.1", "lora.bias=all", "lora.target_modules=[q_proj,o_proj]", "lora.modules_to_save=[]",
+             "lora.init_seed=1"]]
     reads: set[tuple[type, str]] = set()
     for argv in runs:
         with record_reads() as seen:

@@ -1,0 +1,242 @@
+"""LoRA and QLoRA adapters through peft: the ``lora`` config section, wrapping a loaded policy, sampling on merged
+weights, adapter checkpoints and merging an adapter into a whole checkpoint.
+
+* Wrapping: ``load_policy`` loads the base model (``load_model``) and wraps ``adapter.model`` with
+  ``peft.get_peft_model`` (a fresh adapter, B = 0: the model's outputs are the base model's exactly) or with
+  ``PeftModel.from_pretrained(..., is_trainable=True)`` (a resumed adapter). The base weights are frozen, so the
+  trainer's optimizer (AdamW over ``requires_grad`` parameters) holds only the adapter's.
+* Sampling: ``merged_for_sampling`` (entered by ``sample.generate``) merges the adapters into copies of the base
+  weights and restores the original tensors after, bit for bit (no subtraction: repeated merge / unmerge would
+  drift the frozen weights in 16-bit); a merged layer packs like a plain ``nn.Linear`` (``models.layers``), so
+  the sampler keeps its fast path. 4-bit (QLoRA) layers are not merged (it would requantise): they sample as is.
+* Checkpoints: a PeftModel's ``save_pretrained`` writes the adapter in peft's format (``adapter_config.json``,
+  ``adapter_model.safetensors``); ``merge_adapter_checkpoint`` (``python -m jobs.merge_lora``) writes a whole
+  checkpoint that ``load_model`` and eval.py read; ``load_model`` with ``model.adapter`` merges one at load.
+
+This module imports neither torch nor peft at import time (config loading imports it before torch).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from core.schema import SettingError, Settings, bounded
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass
+class LoraSettings(Settings):
+    """``lora``: train low-rank adapters (peft) instead of every weight; off by default."""
+
+    enabled: bool = False
+    rank: int = 8  # r: the adapters' rank (>= 1 when enabled)
+    alpha: float = bounded(16.0, 0.0, lo_open=True)  # scaling = alpha / rank
+    dropout: float = bounded(0.0, 0.0, 1.0)  # on the adapters' input while training (sampling runs in eval mode)
+    # module names (each layer's modules of that name); null = the family's attention and MLP projections
+    # (models/registry.py FAMILIES[...].lora_targets)
+    target_modules: list[str] | None = None
+    bias: Literal["none", "all", "lora_only"] = "none"  # which biases train beside the adapters
+    modules_to_save: list[str] | None = None  # modules trained whole and saved with the adapter (e.g. lm_head)
+    load_in_4bit: bool = False  # QLoRA: the frozen base in 4-bit NF4 (CUDA + bitsandbytes only)
+    init_seed: int = 0  # seeds the adapters' random init (lora_A), so a run and its resume agree
+
+    def validate(self) -> None:
+        super().validate()
+        if self.enabled and self.rank <= 0:
+            raise SettingError("rank", f"lora.rank must be >= 1 when lora.enabled is true, got {self.rank} "
+                                       "(set lora.enabled=false to train every weight)")
+        if self.load_in_4bit and not self.enabled:
+            raise SettingError("load_in_4bit", "lora.load_in_4bit needs lora.enabled=true (QLoRA trains adapters "
+                                               "on a 4-bit base)")
+
+
+def _model_error(message: str) -> Exception:
+    from models.registry import ModelLoadError
+
+    return ModelLoadError(message)
+
+
+def is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def family_linear_names(model: Any) -> list[str]:
+    """The distinct names of the model's linear layers (what target_modules may name)."""
+    from torch import nn
+
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and n})
+
+
+def _head_names(model: Any) -> list[str]:
+    """The LM head's module name(s): the output embeddings, or the linear layers emitting one logit per token."""
+    from torch import nn
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = model.get_input_embeddings().num_embeddings
+    return [n for n, m in model.named_modules() if n and (m is head if head is not None else (
+        isinstance(m, nn.Linear) and m.out_features == vocab))]
+
+
+def peft_config(settings: LoraSettings, model: Any, model_base: str) -> Any:
+    """peft's LoraConfig for ``model``: target modules checked against the model's own module names."""
+    from peft import LoraConfig
+
+    from models.registry import family_spec
+
+    names = family_linear_names(model)
+    targets = list(settings.target_modules) if settings.target_modules is not None \
+        else list(family_spec(model_base).lora_targets)
+    unknown = [t for t in targets if t not in names]
+    if not targets or unknown:
+        raise _model_error(f"lora.target_modules {unknown or targets} match no module of this {model_base} model; "
+                           f"its linear modules are {names}")
+    heads = _head_names(model)
+    exclude = heads if heads and settings.target_modules is None else None  # LLaDA's head is also named ff_out
+    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                      target_modules=targets, exclude_modules=exclude, bias=settings.bias,
+                      modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None)
+
+
+def wrap(adapter: Any, settings: LoraSettings, resume: str | Path | None = None) -> Any:
+    """Wrap ``adapter.model`` with fresh LoRA adapters, or with the adapter saved in ``resume`` (trainable)."""
+    from peft import get_peft_model
+
+    model = adapter.model
+    if settings.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if resume is not None:
+        adapter.model = load_adapter(model, resume, trainable=True)
+    else:
+        import torch
+
+        config = peft_config(settings, model, adapter.model_base)
+        devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
+        with torch.random.fork_rng(devices=devices):  # a seeded init that leaves the caller's RNG as it was
+            torch.manual_seed(settings.init_seed)
+            adapter.model = get_peft_model(model, config)
+    return adapter
+
+
+def load_policy(model_cfg: Any, settings: LoraSettings | None, resume_adapter: str | Path | None, device: Any,
+                deepspeed: bool = False) -> Any:
+    """The policy of a training job: ``load_model(model_cfg)`` (the base when LoRA is on: ``resume_adapter`` is
+    the saved adapter to continue from), wrapped with LoRA adapters when ``settings.enabled``."""
+    from core.schema import replace
+    from models.registry import load_model
+
+    if settings is None or not settings.enabled:
+        return load_model(model_cfg if resume_adapter is None else replace(model_cfg, pretrained_model=str(
+            resume_adapter)), device=device)
+    if deepspeed:
+        raise _model_error("lora.enabled does not run under DeepSpeed yet; launch with DDP "
+                           "(experiment.deepspeed_file: cpu_ddp_2proc or a multi-GPU DDP config) or one process")
+    adapter = load_model(model_cfg, device=device, load_in_4bit=settings.load_in_4bit)
+    return wrap(adapter, settings, resume_adapter)
+
+
+def _check_adapter_fits(model: Any, path: Path) -> None:
+    """One line when the adapter in ``path`` was not trained on this base model (missing modules, other shapes)."""
+    from safetensors import safe_open
+    from torch import nn
+
+    if not (path / ADAPTER_CONFIG).is_file():
+        raise _model_error(f"{path} is not a LoRA adapter folder (no {ADAPTER_CONFIG})")
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise _model_error(f"{path}: no {ADAPTER_WEIGHTS}")
+    modules = dict(model.named_modules())
+    with safe_open(str(weights), framework="pt") as fh:
+        for key in fh.keys():  # noqa: SIM118 - a safetensors handle is not iterable
+            for kind in ("lora_A", "lora_B"):
+                if f".{kind}." not in key:
+                    continue
+                name = key.split(f".{kind}.")[0].removeprefix("base_model.model.")
+                module = modules.get(name)
+                if module is None or not isinstance(getattr(module, "weight", None), nn.Parameter):
+                    raise _model_error(f"{path}: the adapter does not match this base model (it adapts {name!r}, "
+                                       "which the base model does not have)")
+                shape = fh.get_slice(key).get_shape()
+                fits = shape[1] == module.in_features if kind == "lora_A" else shape[0] == module.out_features
+                if not fits:
+                    raise _model_error(f"{path}: the adapter does not match this base model ({name} is "
+                                       f"{module.in_features}->{module.out_features} there, the adapter's {kind} "
+                                       f"is {list(shape)})")
+
+
+def load_adapter(model: Any, path: str | Path, trainable: bool = False) -> Any:
+    """``PeftModel.from_pretrained(model, path)`` after checking the adapter fits the model (one-line errors)."""
+    from peft import PeftModel
+
+    path = Path(path)
+    _check_adapter_fits(model, path)
+    try:
+        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    except Exception as e:  # noqa: BLE001 - a broken adapter folder: one line, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise _model_error(f"{path}: cannot load the adapter ({type(e).__name__}: {first[:300]})") from None
+
+
+def merged_model(model: Any, path: str | Path) -> Any:
+    """``model`` with the adapter in ``path`` merged into its weights (a plain model again)."""
+    return load_adapter(model, path).merge_and_unload()
+
+
+def _lora_layers(model: Any) -> list[Any]:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+@contextmanager
+def merged_for_sampling(model: Any):
+    """Within: the active adapters of a PeftModel are merged into (copies of) its base weights; on exit the
+    original weight tensors come back unchanged, bit for bit. Anything else (a plain model, 4-bit layers, layers
+    already merged by an outer holder) is left as it is."""
+    import torch
+    from torch import nn
+
+    if not is_peft(model):
+        yield
+        return
+    layers = [m for m in _lora_layers(model) if not m.merged and type(m.base_layer) is nn.Linear]
+    saved = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                weight = layer.base_layer.weight
+                saved.append((layer, weight.data))
+                weight.data = weight.data.clone()
+                layer.merge(adapter_names=list(layer.active_adapters))
+        yield
+    finally:
+        for layer, data in saved:
+            layer.base_layer.weight.data = data
+            layer.merged_adapters = []
+
+
+def merge_adapter_checkpoint(base: str | Path, adapter: str | Path, out: str | Path, model_base: str,
+                             dtype: str | None = None) -> Path:
+    """Write ``out``: the whole checkpoint of ``base`` with the adapter merged (``load_model`` / eval.py read it).
+    The merge runs in float32; the weights are saved in ``dtype`` (default: the base checkpoint's own)."""
+    from models.registry import DTYPES, load_model
+
+    out = Path(out)
+    if dtype is None:
+        config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8")) \
+            if (Path(base) / "config.json").is_file() else {}
+        dtype = next((str(config[k]) for k in ("dtype", "torch_dtype") if str(config.get(k)) in DTYPES), "float32")
+    if dtype not in DTYPES:
+        raise _model_error(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    loaded = load_model({"pretrained_model": str(base), "model_base": model_base, "dtype": "float32"})
+    model = merged_model(loaded.model, adapter).to(DTYPES[dtype])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    loaded.tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,210 @@
+"""LoRA through peft: exact at init, merged sampling, adapter checkpoints, merge into a whole checkpoint, RL / SFT
+runs and their resume, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.config import ConfigError, load_config
+from models.common import AttentionLayout
+from models.layers import Projections, packed_projections
+from models.lora import LoraSettings, load_adapter, load_policy, merged_for_sampling, wrap
+from models.registry import ModelLoadError, load_model
+from models.tiny import save_tiny_checkpoint
+from tests.test_rl import _harness, comparable, demo_args
+from tests.test_sft import sft_args
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, demo_tokenizer):
+    base = tmp_path_factory.mktemp("lora_ckpts")
+    return {m: save_tiny_checkpoint(base / m, m, demo_tokenizer, size="test") for m in ("sdar", "llada")}
+
+
+def logits(adapter, seed: int = 0) -> torch.Tensor:
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(seed))
+    pos = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        return adapter.forward(ids, pos, AttentionLayout.full(torch.ones(2, 12, dtype=torch.bool)))
+
+
+def base_state(model) -> dict[str, torch.Tensor]:
+    """The frozen base weights of a (wrapped) model, by their names in the plain model."""
+    return {k.removeprefix("base_model.model.").replace(".base_layer", ""): v.detach().clone()
+            for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+@pytest.mark.parametrize("base", ["sdar", "llada"])
+def test_fresh_adapter_is_the_base_model_exactly_and_only_adapters_train(tiny, base):
+    adapter = tiny(base)
+    before = logits(adapter)
+    wrap(adapter, LoraSettings(enabled=True, rank=4, alpha=8))
+    assert torch.equal(logits(adapter), before)  # B = 0
+    trainable = [n for n, p in adapter.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    adapted = {n.split(".")[-1] for n, m in adapter.model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == set(__import__("models.registry").registry.family_spec(base).lora_targets)
+    vocab = adapter.model.get_input_embeddings().num_embeddings
+    heads = [m for m in adapter.model.modules() if getattr(m, "out_features", 0) == vocab
+             or getattr(getattr(m, "base_layer", None), "out_features", 0) == vocab]
+    assert heads and all(type(m) is torch.nn.Linear for m in heads)  # the LM head is not adapted (LLaDA: ff_out)
+
+
+def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny):
+    adapter = tiny("sdar")
+    wrap(adapter, LoraSettings(enabled=True, rank=4, alpha=8))
+    with torch.no_grad():
+        for n, p in adapter.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    base = base_state(adapter.model)
+    unmerged = logits(adapter)
+    projections = [m for m in adapter.model.modules() if isinstance(m, Projections)]
+    with merged_for_sampling(adapter.model):
+        merged = logits(adapter)
+        assert all(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
+        with packed_projections(adapter.model):  # merged layers pack like plain linears: every group is packed
+            assert all(len(m._packed) == len(m.projection_groups) for m in projections)
+    with packed_projections(adapter.model):  # unmerged adapter layers run as they are
+        assert any(len(m._packed) < len(m.projection_groups) for m in projections)
+    assert (merged - unmerged).abs().max() < 1e-5 and not torch.equal(merged, logits(tiny("sdar")))
+    after = base_state(adapter.model)
+    assert all(torch.equal(base[k], after[k]) for k in base)
+    assert not any(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
+    assert torch.equal(logits(adapter), unmerged)
+
+
+def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_path, ckpts, monkeypatch):
+    from tests import rl_harness
+
+    rl_harness.install(patch=monkeypatch.setattr)
+    from jobs.rl import RLJob
+
+    cfg = load_config(demo_args(tmp_path, ckpts["sdar"], **LORA, **{
+        "experiment.total_step": 2, "training.check_sampler_logp": "true", "optimizer.params.learning_rate": 5e-2}),
+        "rl")
+    job = RLJob(cfg, progress=False)
+    try:
+        first = job.prepare()
+        base = base_state(job.adapter.model)
+        history = job.run_steps(first)
+    finally:
+        job.close()
+    model = job.adapter.model
+    after = base_state(model)
+    assert all(torch.equal(base[k], after[k]) for k in base)  # the frozen base, bit for bit
+    assert any(float(p.detach().abs().max()) > 0 for n, p in model.named_parameters() if "lora_B" in n)  # moved
+    assert all(m["optimizer_steps"] >= 1 for m in history)
+    assert all(m["sampler_logp_max_abs_diff"] < 1e-4 for m in history)  # the sampler ran the merged weights
+    policy = tmp_path / "run" / "step_2" / "ckpt" / "policy"
+    assert {p.name for p in policy.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert not (policy / "model.safetensors").exists()
+    assert (policy / "adapter_model.safetensors").stat().st_size < (ckpts["sdar"] / "model.safetensors").stat().st_size
+    # save -> load: PeftModel.from_pretrained on the base gives the same logits
+    trained = logits(job.adapter)
+    loaded = load_model({"pretrained_model": str(ckpts["sdar"]), "model_base": "sdar", "dtype": "float32"})
+    plain = logits(loaded)
+    loaded.model = load_adapter(loaded.model, policy)
+    assert torch.equal(logits(loaded), trained) and not torch.equal(plain, trained)
+    # merged into a whole checkpoint (the command), and eval's model.adapter: the adapter model's logits
+    out = tmp_path / "merged"
+    from jobs.merge_lora import main as merge_main
+
+    assert merge_main(["--base", str(ckpts["sdar"]), "--adapter", str(policy), "--out", str(out),
+                       "--model-base", "sdar"]) == 0  # python -m jobs.merge_lora ...
+    merged = load_model({"pretrained_model": str(out), "model_base": "sdar", "dtype": "float32"})
+    assert (logits(merged) - trained).abs().max() < 1e-5
+    ev = load_config(["config=configs/demo/eval_demo.yaml", f"model.pretrained_model={ckpts['sdar']}",
+                      "model.model_base=sdar", f"model.adapter={policy}"], "eval")
+    assert (logits(load_model(ev.model)) - trained).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_lora_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, ckpts):
+    from safetensors.torch import load_file
+
+    whole = tmp_path / "whole"
+    proc = _harness(demo_args(whole, ckpts["sdar"], **LORA))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = comparable([json.loads(x) for x in (whole / "run" / "metrics.jsonl").read_text().splitlines()])
+    final = load_file(str(whole / "run" / "step_3" / "ckpt" / "policy" / "adapter_model.safetensors"))
+    for kill in ("train:3",):  # resumes from the step-2 checkpoint (adapter + optimizer + RNG); one kill keeps it fast
+        out = tmp_path / kill.replace(":", "_")
+        killed = _harness(demo_args(out, ckpts["sdar"], **LORA), kill=kill)
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        resumed = _harness(demo_args(out, ckpts["sdar"], **LORA, **{"experiment.start_from_scratch": "false"}))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        got = comparable([json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()])
+        assert [m["step"] for m in got] == [1, 2, 3] and got == reference, kill
+        again = load_file(str(out / "run" / "step_3" / "ckpt" / "policy" / "adapter_model.safetensors"))
+        assert again.keys() == final.keys() and all(torch.equal(final[k], again[k]) for k in final), kill
+
+
+def test_lora_sft_writes_an_adapter_and_resumes(tmp_path, ckpts):
+    from jobs.sft import run_sft
+
+    run_sft(load_config(sft_args(tmp_path, ckpts["sdar"], **LORA, **{"training.max_steps": 2}), "sft"),
+            progress=False)
+    final = tmp_path / "sft" / "ckpt" / "optimized"
+    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+    run_sft(load_config(sft_args(tmp_path, ckpts["sdar"], **LORA, **{
+        "training.max_steps": 3, "experiment.start_from_scratch": "false"}), "sft"), progress=False)
+    loaded = load_model({"pretrained_model": str(ckpts["sdar"]), "model_base": "sdar", "dtype": "float32",
+                         "adapter": str(final)})
+    assert not torch.equal(logits(loaded), logits(load_model({"pretrained_model": str(ckpts["sdar"]),
+                                                             "model_base": "sdar", "dtype": "float32"})))
+
+
+def test_bad_lora_input_is_one_line(tmp_path, tiny, ckpts):
+    with pytest.raises(ConfigError, match="lora.rank must be >= 1"):
+        load_config(demo_args(tmp_path, ckpts["sdar"], **{**LORA, "lora.rank": 0}), "rl")
+    with pytest.raises(ModelLoadError, match=r"match no module .*attn_out.*ff_proj"):
+        wrap(tiny("llada"), LoraSettings(enabled=True, target_modules=["o_proj", "nope"]))
+    # an adapter trained on another base: sdar's adapter on llada, and on an sdar of another size
+    adapter = tiny("sdar")
+    wrap(adapter, LoraSettings(enabled=True, rank=4))
+    adapter.model.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ModelLoadError, match="does not match this base model"):
+        load_adapter(tiny("llada").model, tmp_path / "adapter")
+    with pytest.raises(ModelLoadError, match="does not match this base model"):
+        load_adapter(tiny("sdar", size="demo").model, tmp_path / "adapter")
+    with pytest.raises(ModelLoadError, match="does not run under DeepSpeed"):
+        load_policy({"pretrained_model": str(ckpts["sdar"]), "model_base": "sdar"}, LoraSettings(enabled=True), None,
+                    "cpu", deepspeed=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="needs a CUDA GPU"):
+            load_model({"pretrained_model": str(ckpts["sdar"]), "model_base": "sdar"}, load_in_4bit=True)
+        with pytest.raises(ModelLoadError, match="needs a CUDA GPU"):
+            from jobs.rl import run_rl
+
+            run_rl(load_config(demo_args(tmp_path / "q", ckpts["sdar"], **LORA, **{"lora.load_in_4bit": "true"}),
+                               "rl"), progress=False)
+
+
+@pytest.mark.slow
+def test_lora_under_two_process_ddp_keeps_ranks_identical(tmp_path, ckpts):
+    import os
+
+    from tests.test_train_distributed import _free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RL_HARNESS"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RL_HARNESS_DUMP=str(tmp_path / "w"))
+    args = demo_args(tmp_path, ckpts["sdar"], **LORA, **{"experiment.total_step": 2, "experiment.save_every": 2,
+                                                        "rollout.num_task_per_step": 4})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "--main_process_port", str(_free_port()),
+           str(ROOT / "tests" / "rl_harness.py"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["digest"] == ranks[1]["digest"] and ranks[0]["num_processes"] == 2
+    assert (tmp_path / "run" / "step_2" / "ckpt" / "policy" / "adapter_model.safetensors").is_file()
