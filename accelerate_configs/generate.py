@@ -9,8 +9,9 @@
 - ``..._offload.yaml``: the same with optimizer states and parameters offloaded to CPU (the reference's only
   variant). ZeRO-Offload with a torch optimizer needs ``zero_force_ds_cpu_optimizer: false`` or DeepSpeed's
   ``DeepSpeedCPUAdam``; prefer the non-offload configs unless the model does not fit.
-- ``cpu_ddp_2proc.yaml`` / ``cpu_zero3_2proc.yaml``: 2 processes on one CPU-only machine (tests). The scripts
-  must build their Accelerator with ``train.accelerator.build_accelerator`` (gloo backend; see PLATFORM notes).
+- ``cpu_ddp_2proc.yaml`` / ``cpu_zero2_2proc.yaml`` / ``cpu_zero3_2proc.yaml``: 2 processes on one CPU-only
+  machine (tests). The scripts must build their Accelerator with ``train.accelerator.build_accelerator`` (gloo
+  backend: torch's CPU collectives).
 
 Gradient accumulation is deliberately absent from the DeepSpeed configs: it stays "auto", so the value the
 training script passes to ``build_accelerator`` is the one DeepSpeed uses. Multi-node configs use the
@@ -85,6 +86,12 @@ def configs() -> dict[str, str]:
             _common("MULTI_GPU", 1, 2, "no"),
             header="Tests: DDP with 2 processes on a CPU-only machine. MULTI_GPU launches 2 processes; the script\n"
                    "must use build_accelerator (cpu=True + gloo). Do not set use_cpu (it would run 1 process)."),
+        "cpu_zero2_2proc.yaml": _render(
+            _common("DEEPSPEED", 1, 2, "bf16"),
+            ds={"gradient_clipping": 1.0, "offload_optimizer_device": "none", "offload_param_device": "none",
+                "zero3_init_flag": False, "zero_stage": 2},
+            header="Tests: DeepSpeed ZeRO-2 with 2 processes on a CPU-only machine (gloo via build_accelerator).\n"
+                   "Do not set ACCELERATE_USE_CPU with this config: DeepSpeed would be skipped."),
         "cpu_zero3_2proc.yaml": _render(
             _common("DEEPSPEED", 1, 2, "bf16"),
             ds={"gradient_clipping": 1.0, "offload_optimizer_device": "none", "offload_param_device": "none",

@@ -216,8 +216,7 @@ class RLJob:
                 ensure_demo_model(cfg.model, run_sft)
             barrier(self.acc)
         resume_dir = None if resume_from is None else self._policy_dir(resume_from)
-        self.adapter = load_policy(cfg.model, cfg.lora, resume_dir, default_device(),  # LoRA: models/lora.py
-                                   deepspeed=self.acc.distributed_type == DistributedType.DEEPSPEED)
+        self.adapter = load_policy(cfg.model, cfg.lora, resume_dir, default_device())  # LoRA: models/lora.py
         check_for_model("rollout", cfg.rollout, self.adapter)
         for params in cfg.evaluation.runs():
             check_for_model("evaluation", params, self.adapter)

@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from core.config import config_text
@@ -185,9 +184,8 @@ class SFTJob:
         if self.main and not resume:
             ensure_demo_model(cfg.model, run_sft)
         barrier(self.acc)
-        deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
         self.adapter = load_policy(cfg.model, cfg.lora, self.last / "policy" if resume else None,  # LoRA: lora.py
-                                   default_device(), deepspeed=deepspeed)
+                                   default_device())
         self.samples = self._samples()
         per_step = t.samples_per_step or len(self.samples)
         self.steps_per_epoch = math.ceil(len(self.samples) / per_step)

@@ -124,8 +124,8 @@ def wrap(adapter: Any, settings: LoraSettings, resume: str | Path | None = None)
     return adapter
 
 
-def load_policy(model_cfg: Any, settings: LoraSettings | None, resume_adapter: str | Path | None, device: Any,
-                deepspeed: bool = False) -> Any:
+def load_policy(model_cfg: Any, settings: LoraSettings | None, resume_adapter: str | Path | None,
+                device: Any) -> Any:
     """The policy of a training job: ``load_model(model_cfg)`` (the base when LoRA is on: ``resume_adapter`` is
     the saved adapter to continue from), wrapped with LoRA adapters when ``settings.enabled``."""
     from core.schema import replace
@@ -134,9 +134,6 @@ def load_policy(model_cfg: Any, settings: LoraSettings | None, resume_adapter: s
     if settings is None or not settings.enabled:
         return load_model(model_cfg if resume_adapter is None else replace(model_cfg, pretrained_model=str(
             resume_adapter)), device=device)
-    if deepspeed:
-        raise _model_error("lora.enabled does not run under DeepSpeed yet; launch with DDP "
-                           "(experiment.deepspeed_file: cpu_ddp_2proc or a multi-GPU DDP config) or one process")
     adapter = load_model(model_cfg, device=device, load_in_4bit=settings.load_in_4bit)
     return wrap(adapter, settings, resume_adapter)
 
