@@ -54,7 +54,7 @@ from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
 from jobs.sft import run_sft
 from jobs.trackers import start_trackers
-from models.lora import load_policy
+from models.lora import load_policy, wrapped_model
 from models.registry import load_model
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages
@@ -258,12 +258,16 @@ class RLJob:
         if self.acc.distributed_type == DistributedType.DEEPSPEED:
             raise RunDirError("the value model does not run under DeepSpeed yet (one accelerator holds one "
                               "DeepSpeed engine); use DDP or a single process")
-        if resume_from is not None:
-            model = load_value_model(self.run.step(resume_from) / "ckpt" / "value" / "policy")
-        else:
+        saved = None if resume_from is None else self.run.step(resume_from) / "ckpt" / "value" / "policy"
+        if saved is not None and not cfg.lora.enabled:
+            model = load_value_model(saved)
+        else:  # LoRA: the backbone (from value_base_model) through adapters, the head trained whole
             base = load_model(_with_path(cfg.model, cfg.model.value_base_model), device="cpu").model
             model = value_model_from_policy(base)
             del base
+            if cfg.lora.enabled:
+                lora = replace_settings(cfg.lora, load_in_4bit=False)  # the value backbone is never quantised
+                model = wrapped_model(model, lora, cfg.model.model_base, saved, also_save=("value_head",))
         model = model.to(next(self.adapter.model.parameters()).device)
         adapter = dataclasses.replace(self.adapter, model=model)
         params = replace_settings(cfg.optimizer.params, learning_rate=cfg.optimizer.params.value_learning_rate)

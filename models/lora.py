@@ -104,24 +104,31 @@ def peft_config(settings: LoraSettings, model: Any, model_base: str) -> Any:
 
 def wrap(adapter: Any, settings: LoraSettings, resume: str | Path | None = None) -> Any:
     """Wrap ``adapter.model`` with fresh LoRA adapters, or with the adapter saved in ``resume`` (trainable)."""
+    adapter.model = wrapped_model(adapter.model, settings, adapter.model_base, resume)
+    return adapter
+
+
+def wrapped_model(model: Any, settings: LoraSettings, model_base: str, resume: str | Path | None = None,
+                  also_save: tuple[str, ...] = ()) -> Any:
+    """``model`` as a trainable PeftModel: fresh adapters (seeded by ``settings.init_seed``) or those in ``resume``.
+    ``also_save``: modules trained whole beside ``settings.modules_to_save`` (the value model's head)."""
     from peft import get_peft_model
 
-    model = adapter.model
     if settings.load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if resume is not None:
-        adapter.model = load_adapter(model, resume, trainable=True)
-    else:
-        import torch
+        return load_adapter(model, resume, trainable=True)
+    import torch
 
-        config = peft_config(settings, model, adapter.model_base)
-        devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
-        with torch.random.fork_rng(devices=devices):  # a seeded init that leaves the caller's RNG as it was
-            torch.manual_seed(settings.init_seed)
-            adapter.model = get_peft_model(model, config)
-    return adapter
+    config = peft_config(settings, model, model_base)
+    if also_save:
+        config.modules_to_save = sorted({*(config.modules_to_save or ()), *also_save})
+    devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
+    with torch.random.fork_rng(devices=devices):  # a seeded init that leaves the caller's RNG as it was
+        torch.manual_seed(settings.init_seed)
+        return get_peft_model(model, config)
 
 
 def load_policy(model_cfg: Any, settings: LoraSettings | None, resume_adapter: str | Path | None,

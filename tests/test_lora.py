@@ -132,21 +132,29 @@ def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_pat
 def test_lora_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, ckpts):
     from safetensors.torch import load_file
 
+    # the value model through LoRA as well (its head trained whole): both adapters resume
+    lora = {**LORA, "model.value_base_model": str(ckpts["sdar"])}
     whole = tmp_path / "whole"
-    proc = _harness(demo_args(whole, ckpts["sdar"], **LORA))
+    proc = _harness(demo_args(whole, ckpts["sdar"], **lora))
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = comparable([json.loads(x) for x in (whole / "run" / "metrics.jsonl").read_text().splitlines()])
     final = load_file(str(whole / "run" / "step_3" / "ckpt" / "policy" / "adapter_model.safetensors"))
     for kill in ("train:3",):  # resumes from the step-2 checkpoint (adapter + optimizer + RNG); one kill keeps it fast
         out = tmp_path / kill.replace(":", "_")
-        killed = _harness(demo_args(out, ckpts["sdar"], **LORA), kill=kill)
+        killed = _harness(demo_args(out, ckpts["sdar"], **lora), kill=kill)
         assert killed.returncode == -9, killed.stderr[-3000:]
-        resumed = _harness(demo_args(out, ckpts["sdar"], **LORA, **{"experiment.start_from_scratch": "false"}))
+        resumed = _harness(demo_args(out, ckpts["sdar"], **lora, **{"experiment.start_from_scratch": "false"}))
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         got = comparable([json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()])
         assert [m["step"] for m in got] == [1, 2, 3] and got == reference, kill
         again = load_file(str(out / "run" / "step_3" / "ckpt" / "policy" / "adapter_model.safetensors"))
         assert again.keys() == final.keys() and all(torch.equal(final[k], again[k]) for k in final), kill
+    value = whole / "run" / "step_3" / "ckpt" / "value" / "policy"
+    assert json.loads((value / "adapter_config.json").read_text())["modules_to_save"] == ["value_head"]
+    saved = load_file(str(value / "adapter_model.safetensors"))
+    head = [t for k, t in saved.items() if "value_head" in k]
+    assert len(head) == 1 and float(head[0].abs().max()) > 0  # the head starts at 0: it was trained, and saved
+    assert any("lora_B" in k and float(t.abs().max()) > 0 for k, t in saved.items())  # the backbone's adapters too
 
 
 def test_lora_sft_writes_an_adapter_and_resumes(tmp_path, ckpts):
