@@ -373,6 +373,21 @@ def test_an_overflowing_rl_run_stops_at_the_step_and_saves_nothing_non_finite(tm
     assert not (run / "step_1").exists() and not (run / "ckpt" / "optimized").exists()
 
 
+def test_an_update_beyond_the_weights_dtype_is_one_line(tiny):
+    from tests.test_train_trainer import fake_batch, make_trainer
+    from train.trainer import NonFiniteError
+
+    adapter = tiny("sdar", seed=1)
+    trajs = fake_batch(adapter, n=4)
+    before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
+    trainer = make_trainer(adapter, learning_rate=1e38)  # AdamW's first update is ~lr per weight: beyond fp32
+    with pytest.raises(NonFiniteError, match=r"^training step \d+: the optimizer update at learning rate 1e\+38 "
+                                             r"overflows the weights' dtype"):
+        trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    after = adapter.model.state_dict()
+    assert all(bool(torch.isfinite(after[k]).all()) for k in before)
+
+
 def test_an_overflowing_sft_run_never_writes_its_model(tmp_path, model):
     from tests.test_sft import sft_args
 

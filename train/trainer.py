@@ -181,7 +181,14 @@ class Trainer:
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             if grad_norm is not None and not _loss_scaled(acc):  # fp16 loss scaling skips overflowing steps itself
                 self._stop_if_not_finite("gradient norm", float(grad_norm))
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except RuntimeError as err:  # torch refuses an update beyond the weights' dtype (a learning rate ~1e38)
+            if "overflow" not in str(err):
+                raise
+            raise NonFiniteError(f"training step {self.rl_step}: the optimizer update at learning rate {lr:g} "
+                                 "overflows the weights' dtype (optimizer.params.learning_rate); nothing of this "
+                                 "step was saved") from None
         self.optimizer.zero_grad(set_to_none=True)
         acc.gradient_state._set_sync_gradients(True)
         self.schedule.step()
