@@ -189,10 +189,12 @@ class PackedLinear:
 
     BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
 
-    def __init__(self, linears: Sequence[nn.Linear]):
-        self.sizes = [m.out_features for m in linears]
-        weight = torch.cat([m.weight.detach() for m in linears])
+    def __init__(self, linears: Sequence[nn.Module]):
+        linears = [_base_linear(m) for m in linears], linears
+        self.sizes = [m.out_features for m in linears[0]]
+        weight = torch.cat([_effective_weight(m) for m in linears[1]])
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        linears = linears[0]
         biases = [m.bias for m in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat([
             b.detach() if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, linears)])
@@ -239,21 +241,43 @@ def packed_projections(model: nn.Module) -> Iterator[None]:
         groups = {group: [getattr(module, name) for name in names] for group, names in module.projection_groups.items()}
         groups = {group: [_packable(m) for m in linears] for group, linears in groups.items()}
         module._packed = {group: PackedLinear(linears) for group, linears in groups.items()
-                          if all(m is not None for m in linears)}  # a wrapped layer (unmerged adapters) runs as is
+                          if all(m is not None for m in linears)}  # another wrapped layer runs as is
+    adapted = [m for module in modules for group in module._packed
+               for m in (getattr(module, name) for name in module.projection_groups[group]) if type(m) is not nn.Linear]
+    for m in adapted:  # their adapters are in the packed weights: models.lora.merged_for_sampling leaves them be
+        m._served_packed = True
     try:
         yield
     finally:
+        for m in adapted:
+            m.__dict__.pop("_served_packed", None)
         for module in modules:
             module.__dict__.pop("_packed", None)
 
 
-def _packable(module: nn.Module) -> nn.Linear | None:
-    """The plain ``nn.Linear`` a packed product may stand for: the module itself, or the base layer of an adapter
-    layer whose adapters are merged into it (peft's ``merged``: the layer's output is then its base layer's)."""
+def _packable(module: nn.Module) -> nn.Module | None:
+    """The layer a packed product may stand for: a plain ``nn.Linear``, or an adapter layer over one (peft's LoRA
+    layers: the packed weight is then the base weight plus the active adapters' delta, so sampling runs merged
+    weights without touching, or copying, the model's own)."""
     if type(module) is nn.Linear:
         return module
     base = getattr(module, "base_layer", None)
-    return base if type(base) is nn.Linear and getattr(module, "merged", False) else None
+    return module if type(base) is nn.Linear and hasattr(module, "get_delta_weight") else None
+
+
+def _base_linear(module: nn.Module) -> nn.Linear:
+    return module if type(module) is nn.Linear else module.base_layer
+
+
+def _effective_weight(module: nn.Module) -> Tensor:
+    """The weight of the product a layer computes: its own, or an adapter layer's base weight plus the delta of
+    its active adapters (none when they are disabled or already merged into the base weight)."""
+    weight = _base_linear(module).weight.detach()
+    if module is _base_linear(module) or module.merged or getattr(module, "disable_adapters", False):
+        return weight
+    with torch.no_grad():
+        deltas = [module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A]
+    return weight + sum(deltas).to(weight.dtype) if deltas else weight
 
 
 def init_linear_normal(module: nn.Module, std: float) -> None:

@@ -61,7 +61,8 @@ def generate(adapter: Any, prompts: Sequence[Prompt] | str, params: SamplingPara
     was_training = adapter.model.training
     adapter.model.eval()
     try:
-        with merged_for_sampling(adapter.model), torch.inference_mode(), packed_projections(adapter.model):
+        # packing first: on CPU it holds the adapters' merged weights, and merging copies only what it does not
+        with packed_projections(adapter.model), merged_for_sampling(adapter.model), torch.inference_mode():
             trajectories = run_engine(sampler, ids, params.max_active, adapter.tokenizer, on_finish)
     finally:
         adapter.model.train(was_training)

@@ -69,17 +69,24 @@ def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny)
     base = base_state(adapter.model)
     unmerged = logits(adapter)
     projections = [m for m in adapter.model.modules() if isinstance(m, Projections)]
-    with merged_for_sampling(adapter.model):
+    with merged_for_sampling(adapter.model):  # without packing (GPU): the adapters merged into copies
         merged = logits(adapter)
         assert all(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
-        with packed_projections(adapter.model):  # merged layers pack like plain linears: every group is packed
-            assert all(len(m._packed) == len(m.projection_groups) for m in projections)
-    with packed_projections(adapter.model):  # unmerged adapter layers run as they are
-        assert any(len(m._packed) < len(m.projection_groups) for m in projections)
     assert (merged - unmerged).abs().max() < 1e-5 and not torch.equal(merged, logits(tiny("sdar")))
     after = base_state(adapter.model)
     assert all(torch.equal(base[k], after[k]) for k in base)
     assert not any(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
+    assert torch.equal(logits(adapter), unmerged)
+    # with packing (CPU, fp32; sample.generate's order): the packed products hold base + delta, every group is
+    # packed, and merging then touches nothing (no layer merged, no weight copied)
+    pointers = {n: p.data_ptr() for n, p in adapter.model.named_parameters()}
+    with packed_projections(adapter.model), merged_for_sampling(adapter.model):
+        assert all(len(m._packed) == len(m.projection_groups) for m in projections)
+        assert not any(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
+        assert {n: p.data_ptr() for n, p in adapter.model.named_parameters()} == pointers
+        packed = logits(adapter)
+    assert (packed - unmerged).abs().max() < 1e-5 and (packed - merged).abs().max() < 1e-5
+    assert not any("_served_packed" in m.__dict__ for m in adapter.model.modules())
     assert torch.equal(logits(adapter), unmerged)
 
 
