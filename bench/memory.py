@@ -143,6 +143,7 @@ def measure_sampling(model: Path, mode: str, out: Path, args) -> dict:
     """Tokens/s of the LoRA r=16 policy sampling on merged weights (ours) vs through peft's unmerged layers."""
     import contextlib
 
+    import models.layers as layers
     import sample.generate as gen
     from models.lora import LoraSettings, wrap
     from models.registry import load_model
@@ -156,14 +157,16 @@ def measure_sampling(model: Path, mode: str, out: Path, args) -> dict:
                 p.normal_(0.0, 0.01, generator=torch.Generator().manual_seed(0))
     prompts = [f"What is {a} + {a + 3}?" for a in range(args.tasks * args.k)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, seed=0)
-    merged = gen.merged_for_sampling
+    merged, packable = gen.merged_for_sampling, layers._packable
     out_rates = {}
     for name in ("unmerged", "merged", "unmerged", "merged"):  # interleaved; the faster of two runs each
+        # unmerged: no merging, and adapter layers left out of the packed products (they run peft's forward)
         gen.merged_for_sampling = merged if name == "merged" else (lambda model: contextlib.nullcontext())
+        layers._packable = packable if name == "merged" else (lambda m: m if type(m) is torch.nn.Linear else None)
         rollout = gen.generate(adapter, prompts, params, progress=False)
         rate = rollout.stats.generated_tokens / rollout.stats.wall_time
         out_rates[name] = max(out_rates.get(name, 0.0), rate)
-    gen.merged_for_sampling = merged
+    gen.merged_for_sampling, layers._packable = merged, packable
     return {"merged_tok_s": out_rates["merged"], "unmerged_tok_s": out_rates["unmerged"], "peak_mib": 0.0}
 
 

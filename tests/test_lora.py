@@ -135,6 +135,23 @@ def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_pat
     assert (logits(load_model(ev.model)) - trained).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("method", ["random_masking", "coupled"])
+def test_lora_trains_with_every_rl_method(tmp_path, ckpts, method, monkeypatch):
+    from safetensors.torch import load_file
+
+    from tests import rl_harness
+
+    rl_harness.install(patch=monkeypatch.setattr)  # rewards that vary within a group (a random model scores 0)
+    from jobs.rl import run_rl
+
+    history = run_rl(load_config(demo_args(tmp_path, ckpts["sdar"], **LORA, **{
+        "experiment.total_step": 1, "experiment.save_every": 1, "training.method": method,
+        "optimizer.params.learning_rate": 5e-2}), "rl"), progress=False)
+    assert history[-1]["optimizer_steps"] >= 1
+    adapter = load_file(str(tmp_path / "run" / "step_1" / "ckpt" / "policy" / "adapter_model.safetensors"))
+    assert any("lora_B" in k and float(t.abs().max()) > 0 for k, t in adapter.items())  # B starts at 0
+
+
 @pytest.mark.slow
 def test_lora_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, ckpts):
     from safetensors.torch import load_file
