@@ -29,7 +29,7 @@ from models.common import AttentionLayout
 from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence
 from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
-from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer
+from sample.strategies import Draw, block_schedule, draw_tokens, schedule_table, select_transfer
 
 PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
 # Widest fused forward (rows x 2 blocks) worth padding rows that carry nothing: a GPU decode forward of a few
@@ -261,10 +261,9 @@ class BlockSampler:
         hidden = self.runner.step(self.tokens, self._positions(), self.carry if carry else None,
                                   self.carrying if carry else None, fused)
         self.stats.denoise_forwards += 1
-        draw = draw_tokens(self.adapter.logits(hidden), self.params, self.generator, self.adapter.mask_id,
-                           self.adapter.pad_id)
-        n_t = self.schedule[self.t_block.clamp(max=self.schedule.numel() - 1)]
         masked = self.masked if fused or not carry else self.masked & ~self.carrying[:, None]
+        draw = self._draw(hidden, masked)
+        n_t = self.schedule[self.t_block.clamp(max=self.schedule.numel() - 1)]
         transfer = select_transfer(draw, masked, n_t, self.params, self.generator)
         denoising = 1 if fused or not carry else (~self.carrying).long()
         self.counter += denoising
@@ -274,6 +273,13 @@ class BlockSampler:
         self.rec_step = torch.where(transfer, self.counter[:, None], self.rec_step)
         self.rec_logp = torch.where(transfer, draw.logprob, self.rec_logp)
         self.rec_conf = torch.where(transfer, draw.confidence, self.rec_conf)
+
+    def _draw(self, hidden: Tensor, candidates: Tensor) -> Draw:
+        """Tokens drawn at the candidate positions ([R, b] grid, zeros elsewhere). The LM head runs only there:
+        decoded positions need no logits, and at a large vocabulary the head is a large share of a small model's
+        step; the random stream is the whole grid's, so the tokens are those of a head over every position."""
+        return draw_tokens(self.adapter.logits(hidden[candidates]), self.params, self.generator,
+                           self.adapter.mask_id, self.adapter.pad_id, grid=candidates)
 
     # ------------------------------------------------------------ block completion
 

@@ -52,12 +52,16 @@ class DegenerateLogitsError(UserError, ValueError):
 
 
 def draw_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
-                banned_id: int, pad_id: int) -> Draw:
+                banned_id: int, pad_id: int, grid: Tensor | None = None) -> Draw:
     """Sample a token for every position of ``logits`` [R, K, V] (any dtype; computed in fp32).
 
     ``banned_id`` (the mask id) is never sampled: a committed mask token would be indistinguishable from an
-    undecoded position.
+    undecoded position. ``grid`` (bool [R, K]): ``logits`` [M, V] holds only its True positions (the LM head ran
+    where tokens are still masked); the draw comes back on the whole grid, zeros elsewhere, and the random stream
+    is the whole grid's (one uniform per grid position, the selected ones used), so tokens do not depend on it.
     """
+    if grid is not None:
+        return _on_grid(draw_tokens(logits[None], params, _GridUniforms(generator, grid), banned_id, pad_id), grid)
     raw = logits.float()
     filtered = raw.clone()
     filtered[..., banned_id] = NEG_INF
@@ -80,12 +84,39 @@ def draw_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generat
     return Draw(tokens, confidence, logprob, score, entropy)
 
 
-def _sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+class _GridUniforms:
+    """Stands for a generator when only the ``grid`` positions of an [R, K] draw are computed: the uniforms are
+    drawn for the whole grid, as the full draw would, and the grid's positions returned."""
+
+    def __init__(self, generator: torch.Generator | None, grid: Tensor):
+        self.generator, self.grid = generator, grid
+
+    def uniforms(self, dtype: torch.dtype) -> Tensor:
+        u = torch.rand(self.grid.shape + (1,), generator=self.generator, device=self.grid.device, dtype=dtype)
+        return u[self.grid][None]
+
+
+def _on_grid(draw: Draw, grid: Tensor) -> Draw:
+    """A draw over the [1, M] selected positions put back on the [R, K] grid (zeros elsewhere)."""
+    def put(values: Tensor | None) -> Tensor | None:
+        if values is None:
+            return None
+        out = values.new_zeros(grid.shape)
+        out[grid] = values[0]
+        return out
+
+    return Draw(*(put(v) for v in draw))
+
+
+def _sample(probs: Tensor, generator: torch.Generator | _GridUniforms | None) -> Tensor:
     """One categorical draw per row of ``probs`` [..., V] by inverse CDF: one uniform per row, so much cheaper
     than ``torch.multinomial`` (one exponential per vocabulary entry) on CPU. Zero-probability entries are
     never drawn (``right=True``: the first entry whose CDF exceeds u)."""
     cdf = probs.cumsum(-1)
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=probs.device, dtype=cdf.dtype)
+    if isinstance(generator, _GridUniforms):
+        u = generator.uniforms(cdf.dtype)
+    else:
+        u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=probs.device, dtype=cdf.dtype)
     idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
     return idx.squeeze(-1).clamp(max=probs.shape[-1] - 1)
 

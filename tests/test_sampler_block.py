@@ -211,3 +211,45 @@ def test_bfloat16_model_samples(demo_tokenizer):
                                                              stop_token_ids=[], max_active=1), progress=False)
     assert [len(t.response_ids) for t in out] == [6, 6]
     assert all(isinstance(x, float) and x <= 0 for t in out for x in t.logprobs)
+
+
+@pytest.mark.parametrize("fuse_max_tokens", [0, 10_000])
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0, seed=3, remasking_strategy="low_confidence_static"),
+    dict(temperature=0.8, top_k=20, top_p=0.9, seed=4, remasking_strategy="low_confidence_dynamic",
+         dynamic_threshold=0.3),
+    dict(temperature=1.0, seed=5, remasking_strategy="entropy_bounded", eb_threshold=0.5),
+    dict(temperature=1.0, seed=6, remasking_strategy="sequential"),
+    dict(temperature=1.0, seed=7, alg_temp=0.5, target="margin_confidence"),
+    dict(temperature=0.0, target="neg_entropy", pad_target_penalty=2.0),
+])
+def test_lm_head_on_masked_positions_only_gives_the_tokens_of_a_head_everywhere(sdar, monkeypatch, params,
+                                                                               fuse_max_tokens):
+    """The sampler runs the LM head only where tokens are still masked; with the head on every position (the
+    reference's way) the random stream, tokens, steps and log-probs are the same, under every strategy."""
+    from sample import block_sampler
+    from sample.strategies import draw_tokens
+
+    monkeypatch.setattr(block_sampler, "FUSE_MAX_TOKENS", {"cpu": fuse_max_tokens, "cuda": fuse_max_tokens})
+    prompts = prompts_of()
+    p = SamplingParams(**{**dict(max_tokens=14, stop_token_ids=[], ignore_eos=True, max_active=3), **params})
+    heads = []
+
+    def count_rows(sampler, hidden, candidates):
+        heads.append((int(candidates.sum()), candidates.numel()))
+        return selected(sampler, hidden, candidates)
+
+    selected = block_sampler.BlockSampler._draw
+    monkeypatch.setattr(block_sampler.BlockSampler, "_draw", count_rows)
+    ours = generate(sdar, prompts, p, progress=False)
+
+    def head_everywhere(sampler, hidden, candidates):
+        return draw_tokens(sampler.adapter.logits(hidden), sampler.params, sampler.generator, sampler.adapter.mask_id,
+                           sampler.adapter.pad_id)
+
+    monkeypatch.setattr(block_sampler.BlockSampler, "_draw", head_everywhere)
+    everywhere = generate(sdar, prompts, p, progress=False)
+    assert [_key(t) for t in ours] == [_key(t) for t in everywhere]
+    for a, b in zip(ours, everywhere):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert sum(n for n, _ in heads) < sum(total for _, total in heads)  # fewer LM-head rows than positions
