@@ -11,15 +11,6 @@ def rank_world(accelerator: Any) -> tuple[int, int]:
     return accelerator.process_index, accelerator.num_processes
 
 
-def gather_objects(accelerator: Any, items: list) -> list:
-    """Every process's ``items`` concatenated in rank order, on every process."""
-    if accelerator is None or accelerator.num_processes == 1:
-        return list(items)
-    from accelerate.utils import gather_object
-
-    return list(gather_object(list(items)))
-
-
 def barrier(accelerator: Any) -> None:
     if accelerator is not None and accelerator.num_processes > 1:
         accelerator.wait_for_everyone()

@@ -14,7 +14,7 @@ from core.config import config_text
 from core.files import StagedRun, write_atomic
 from core.loader import ConfigError
 from jobs.demo import ensure_demo_model
-from jobs.dist import barrier, default_device, gather_objects, is_main, rank_world
+from jobs.dist import barrier, default_device, is_main, rank_world
 from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded
 from jobs.sft import run_sft
 from models.registry import ModelLoadError, load_model
@@ -35,6 +35,8 @@ def sample_scored(adapter: Any, tasks: list[dict], data_type: str, params: Any, 
                   accelerator: Any = None, progress: bool = True, **score_kw: Any) -> tuple[list[Trajectory], dict]:
     """Sample and score every task, each process its share of the tasks (whole prompt groups); returns all
     trajectories in task order (on every process) and the summed sampling stats."""
+    from train.accelerator import gather_objects  # accelerate is imported only when a job samples
+
     rank, world = rank_world(accelerator)
     mine = list(range(rank, len(tasks), world))
     run_seed = None if seed is None else seed + 1_000_003 * rank

@@ -49,7 +49,7 @@ from core.schema import to_dict
 from data.prompts import prompt_ids
 from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, is_complete, load_checkpoint, save_checkpoint
 from jobs.demo import ensure_demo_model
-from jobs.dist import barrier, default_device, gather_objects, is_main
+from jobs.dist import barrier, default_device, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
 from jobs.sft import run_sft
@@ -59,7 +59,7 @@ from models.registry import load_model
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages
 from sample.trajectory import Trajectory, write_jsonl
-from train.accelerator import build_accelerator
+from train.accelerator import build_accelerator, gather_objects
 from train.policy_trainer import PolicyTrainer
 from train.value_trainer import ValueTrainer, value_advantages
 

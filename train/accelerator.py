@@ -97,3 +97,12 @@ def assert_world_size(accelerator: Accelerator, expected: int) -> None:
             f"(distributed_type={accelerator.distributed_type}); on CPU use `accelerate launch --multi_gpu "
             "--num_processes N` (or a MULTI_GPU / DEEPSPEED config) and build_accelerator()"
         )
+
+
+def gather_objects(accelerator: Any, items: list) -> list:
+    """Every process's ``items`` (picklable objects) concatenated in rank order, on every process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return list(items)
+    from accelerate.utils import gather_object
+
+    return list(gather_object(list(items)))

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from sample.trajectory import Trajectory
+from train.accelerator import gather_objects
 from train.batch import TrainBatch
 from train.gae import outcome_token_rewards, step_gae
 from train.loss import LossOutput
@@ -78,17 +79,9 @@ class ValueTrainer(Trainer):
                     v = self.values(self.model, mb).cpu()
                     ids = [mb.sample_ids[int(i)] for i in mb.sample_index]
                     found += list(zip(ids, mb.token_index.tolist(), v.tolist(), strict=True))
-        for sid, i, value in _gather(self.accelerator, found):
+        for sid, i, value in gather_objects(self.accelerator, found):
             out[sid][i] = value
         return out
-
-
-def _gather(accelerator: Any, items: list) -> list:
-    if accelerator.num_processes == 1:
-        return items
-    from accelerate.utils import gather_object
-
-    return list(gather_object(items))
 
 
 def value_advantages(trajectories: Sequence[Trajectory], rewards: Mapping[str, float | Sequence[float]],
