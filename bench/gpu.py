@@ -1,0 +1,278 @@
+"""The GPU acceptance run: one command, run first whenever a GPU is at hand (no download: random models from configs).
+
+    python -m bench.gpu                          # ~10 min on one H100 / H200: prints a table, writes bench_gpu.json
+    python -m bench.gpu --quick --device cpu     # the same code paths on tiny shapes (a smoke run of this script)
+
+1. Sampler: random bf16 models shaped like SDAR-1.7B and SDAR-4B (Qwen3 shapes, vocabulary 151,936) sample
+   ``--tokens`` tokens at batch 1, 32 and 128 with static decoding (4 steps per block of 4) and dynamic decoding
+   (threshold 0.9). Reported: tokens/s, forwards per token, and two rooflines. Batch 1 is memory-bound: every
+   forward streams the weights once, so tokens/s <= tokens per forward x bandwidth / weight bytes (percent of that
+   bound printed; the bandwidth comes from the device name, or ``--bandwidth-gbs``). Batch 128 is compute-bound:
+   FLOPs ~ 2 x parameters x positions processed, with positions ~ generated tokens x (steps per block + 1) (each
+   position of a block is in every denoising forward of its block plus the forward that stores it); percent of
+   the dense bf16 peak (``--peak-tflops`` or from the device name). CUDA graphs: not implemented yet (the column
+   says so).
+2. One TraceRL training step (SDAR-1.7B shape, bf16, gradient checkpointing, ``--train-samples`` synthetic
+   trajectories of 128 prompt + 512 response tokens): time and peak memory, SDPA vs FlexAttention.
+3. Smoke runs of the real entry points on this device, each in its own process: ``eval.py`` on the demo config,
+   2 steps of ``rl.py``, 2 steps of SFT, and a single-GPU DeepSpeed ZeRO-3 RL step (``accelerate launch``).
+
+Any failure is printed with its command and makes the exit status 1; the JSON holds every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {  # hidden, layers, heads, kv heads, head dim, MLP, vocabulary
+    "sdar-1.7b": (2048, 28, 16, 8, 128, 6144, 151936),
+    "sdar-4b": (2560, 36, 32, 8, 128, 9728, 151936),
+    "tiny": (128, 2, 4, 2, 32, 384, 4096),
+}
+# public spec-sheet figures (dense bf16 without sparsity; HBM bandwidth), by a substring of the device name
+DEVICES = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L40S": (362.0, 864.0)}
+
+
+def device_figures(device: str, args) -> tuple[float | None, float | None]:
+    """(peak bf16 TFLOP/s, bandwidth GB/s) of the device: the options, else the spec sheet by name."""
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else ""
+    known = next((v for k, v in DEVICES.items() if k in name), (None, None))
+    return args.peak_tflops or known[0], args.bandwidth_gbs or known[1]
+
+
+def build_adapter(shape: str, device: str, dtype: torch.dtype, attn_backend: str = "sdpa"):
+    from models.registry import make_adapter
+    from models.sdar import SDARConfig, SDARForCausalLM
+    from models.tokenizers import build_demo_tokenizer
+
+    hidden, layers, heads, kv, head_dim, mlp, vocab = SHAPES[shape]
+    tok = build_demo_tokenizer()
+    cfg = SDARConfig(vocab_size=max(vocab, len(tok)), hidden_size=hidden, intermediate_size=mlp,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                     block_size=4, max_position_embeddings=8192, mask_token_id=tok.mask_token_id,
+                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, attn_backend=attn_backend)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = SDARForCausalLM(cfg).to(dtype)
+    return make_adapter(model.eval(), tok, "sdar")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------ sampler
+
+
+def sampler_rows(args, device: str) -> list[dict]:
+    from sample.generate import generate
+    from sample.params import SamplingParams
+
+    peak_tflops, bandwidth = device_figures(device, args)
+    rows = []
+    for shape in args.shapes:
+        adapter = build_adapter(shape, device, args.dtype)
+        params = sum(p.numel() for p in adapter.model.parameters())
+        weight_bytes = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
+        g = torch.Generator().manual_seed(0)
+        for strategy in ("low_confidence_static", "low_confidence_dynamic"):
+            sp = SamplingParams(max_tokens=args.tokens, denoising_steps=4, temperature=1.0, seed=0,
+                                ignore_eos=True, stop_token_ids=[], remasking_strategy=strategy,
+                                dynamic_threshold=0.9, max_active=max(args.batches))
+            for batch in args.batches:
+                prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),),
+                                         generator=g).tolist() for _ in range(batch)]
+                generate(adapter, prompts[:2], sp, progress=False)  # warm-up (kernels, allocator)
+                _sync(device)
+                start = time.perf_counter()
+                stats = generate(adapter, prompts, sp, progress=False).stats
+                _sync(device)
+                wall = time.perf_counter() - start
+                tok_s = stats.generated_tokens / wall
+                per_forward = stats.generated_tokens / max(stats.forwards, 1)
+                row = {"shape": shape, "params_b": params / 1e9, "strategy": strategy.removeprefix("low_confidence_"),
+                       "batch": batch, "tok_s": tok_s, "forwards_per_token": 1 / per_forward,
+                       "cuda_graphs": "not implemented"}
+                if batch == 1 and bandwidth:
+                    row["bandwidth_roofline_pct"] = 100 * tok_s / (per_forward * bandwidth * 1e9 / weight_bytes)
+                if batch == max(args.batches) and peak_tflops and strategy.endswith("static"):
+                    flops = 2 * params * stats.generated_tokens * (4 + 1)
+                    row["compute_roofline_pct"] = 100 * flops / wall / (peak_tflops * 1e12)
+                rows.append(row)
+                print(f"  sampler {json.dumps(row)}", flush=True)
+        del adapter
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ training step
+
+
+def _trajectories(n: int, vocab: int, prompt: int, response: int, block: int = 4):
+    """Synthetic records: every block decodes one token per step, in a random order inside the block."""
+    import random
+
+    from sample.trajectory import Trajectory
+
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        steps = []
+        for k in range(response // block):
+            order = list(range(1, block + 1))
+            rng.shuffle(order)
+            steps += [k * block + s for s in order]
+        out.append(Trajectory(prompt_ids=[rng.randrange(10, 400) for _ in range(prompt)],
+                              response_ids=[rng.randrange(10, 400) for _ in range(response)], step_map=steps,
+                              logprobs=[-5.0] * response, sample_id=str(i)))
+    return out
+
+
+def training_rows(args, device: str) -> list[dict]:
+    from train.accelerator import build_accelerator
+    from train.policy_trainer import PolicyTrainer
+    from train.settings import OptimizerParams, RLTrainingConfig
+
+    rows = []
+    shape = args.train_shape
+    prompt, response = (128, 512) if not args.quick else (16, 32)
+    for backend in ("sdpa", "flex") if device.startswith("cuda") else ("sdpa",):  # no flex backward on CPU
+        try:
+            adapter = build_adapter(shape, device, args.dtype, attn_backend=backend)
+            cfg = RLTrainingConfig(batch_size_lm=1, gradient_checkpointing_enable=True, mixed_precision="no")
+            acc = build_accelerator(mixed_precision="no", micro_batch_size=1)
+            trainer = PolicyTrainer(adapter, cfg, OptimizerParams(learning_rate=1e-6), accelerator=acc)
+            trajs = _trajectories(args.train_samples, adapter.model.config.vocab_size, prompt, response)
+            advantages = {t.sample_id: (1.0 if i % 2 else -1.0) for i, t in enumerate(trajs)}
+            trainer.train_step(trajs, advantages)  # warm-up (kernels; FlexAttention compiles here)
+            _sync(device)
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            trainer.train_step(trajs, advantages)
+            _sync(device)
+            row = {"shape": shape, "attention": backend, "samples": len(trajs), "seconds": time.perf_counter() - start,
+                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None}
+        except Exception as err:  # noqa: BLE001 - reported in the table; the run goes on
+            row = {"shape": shape, "attention": backend, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+            traceback.print_exc()
+        rows.append(row)
+        print(f"  training {json.dumps(row)}", flush=True)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ smoke runs
+
+
+def _zero3_single_gpu_config(out: Path) -> Path:
+    text = (ROOT / "accelerate_configs" / "cpu_zero3_2proc.yaml").read_text()
+    path = out / "zero3_1gpu.yaml"
+    path.write_text(text.replace("num_processes: 2", "num_processes: 1"))
+    return path
+
+
+def smoke_commands(tmp: Path, quick: bool) -> dict[str, list[str]]:
+    py = sys.executable
+    runs = f"experiment.output_dir={tmp / 'runs'}"
+    rl = ["config=configs/demo/rl_demo.yaml", runs, "experiment.total_step=2", "experiment.eval_every=2",
+          "experiment.save_every=2", "rollout.num_task_per_step=8", "rollout.num_response_per_task=4"]
+    return {
+        "eval.py": [py, "eval.py", "config=configs/demo/eval_demo.yaml", runs, "rollout.num_response_per_task=1"],
+        "rl.py 2 steps": [py, "rl.py", *rl],
+        "SFT 2 steps": [py, "train/sft_sdar.py", "config=configs/demo/sft_demo.yaml", runs,
+                        "experiment.project=sft_smoke", "training.max_steps=2"],
+        "ZeRO-3 RL step (1 GPU)": [py, "-m", "accelerate.commands.launch", "--config_file",
+                                   str(_zero3_single_gpu_config(tmp)), "rl.py", *rl, "experiment.project=rl_zero3",
+                                   "experiment.total_step=1", "experiment.save_every=1", "experiment.eval_every=0"],
+    }
+
+
+def smoke_rows(args, device: str) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for name, cmd in smoke_commands(Path(d), args.quick).items():
+            if name.startswith("ZeRO-3") and not device.startswith("cuda"):
+                continue  # the CPU ZeRO-3 path has its own 2-process tests
+            env = dict(os.environ, PYTHONWARNINGS="ignore")
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+            row = {"run": name, "ok": proc.returncode == 0, "seconds": time.perf_counter() - start}
+            if proc.returncode != 0:
+                row["command"] = " ".join(cmd)
+                row["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+                print(proc.stderr[-3000:], file=sys.stderr)
+            rows.append(row)
+            print(f"  smoke {json.dumps(row)}", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def report(result: dict) -> str:
+    lines = [result["device"], "", "sampler (tokens/s; forwards/token; % of the roofline):"]
+    for r in result["sampler"]:
+        roof = "".join(f"  {k.split('_')[0]} {r[k]:.0f}%" for k in ("bandwidth_roofline_pct", "compute_roofline_pct")
+                       if k in r)
+        lines.append(f"  {r['shape']:<10} {r['strategy']:<8} batch {r['batch']:>4}: {r['tok_s']:>9.1f} tok/s  "
+                     f"{r['forwards_per_token']:.3f} fwd/tok{roof}  CUDA graphs: {r['cuda_graphs']}")
+    lines.append("training step (TraceRL, gradient checkpointing):")
+    for r in result["training"]:
+        what = (f"{r['seconds']:.2f} s, peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None
+                else f"{r['seconds']:.2f} s") if "error" not in r else f"FAILED {r['error']}"
+        lines.append(f"  {r['shape']} {r['attention']:<5}: {what}")
+    lines.append("smoke runs:")
+    for r in result["smoke"]:
+        lines.append(f"  {r['run']:<24} {'ok' if r['ok'] else 'FAILED ' + r['error']} ({r['seconds']:.0f} s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, batches 1 and 4 (a smoke run of this script)")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens sampled per prompt")
+    ap.add_argument("--train-samples", type=int, default=8)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by device name)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: by device name)")
+    ap.add_argument("--out", default="bench_gpu.json")
+    args = ap.parse_args(argv)
+    args.shapes = ["tiny"] if args.quick else ["sdar-1.7b", "sdar-4b"]
+    args.train_shape = "tiny" if args.quick else "sdar-1.7b"
+    args.batches = [1, 4] if args.quick else [1, 32, 128]
+    args.tokens = 16 if args.quick else args.tokens
+    args.dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    if not args.device.startswith("cuda") and not args.quick:
+        print("bench.gpu: no CUDA device; run with --quick --device cpu for a smoke run of this script",
+              file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    result = {"device": f"device: {name}, torch {torch.__version__}", "command": " ".join(sys.argv)}
+    print(result["device"], flush=True)
+    result["sampler"] = sampler_rows(args, args.device)
+    result["training"] = training_rows(args, args.device)
+    result["smoke"] = smoke_rows(args, args.device)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(report(result))
+    failed = [r for r in result["training"] if "error" in r] + [r for r in result["smoke"] if not r["ok"]]
+    print(f"{len(failed)} failure(s); numbers in {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
