@@ -28,6 +28,8 @@ class DreamConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         rope_theta: float = 10000.0,
         attention_dropout: float = 0.0,
+        attention_bias: bool = True,  # Qwen2's q/k/v biases; false for a model converted from Llama / Qwen3 (a2d)
+        qk_norm: bool = False,  # per-head q/k RMSNorm: true for a model converted from Qwen3 (a2d)
         mask_token_id: int = 151666,
         pad_token_id: int = 151643,
         attn_backend: str = "sdpa",
@@ -46,6 +48,8 @@ class DreamConfig(PretrainedConfig):
         self.use_cache = use_cache
         self.rope_theta = rope_theta
         self.attention_dropout = attention_dropout
+        self.attention_bias = attention_bias
+        self.qk_norm = qk_norm
         self.mask_token_id = mask_token_id
         self.attn_backend = attn_backend
         for unused in ("rope_scaling", "sliding_window", "use_sliding_window", "max_window_layers",

@@ -34,7 +34,8 @@ class DreamBaseModel(BackboneMixin, QwenBackboneMixin, DreamPreTrainedModel):
 
     def __init__(self, config: DreamConfig):
         super().__init__(config)
-        self.build_backbone(config, qkv_bias=True, qk_norm=False)
+        self.build_backbone(config, qkv_bias=getattr(config, "attention_bias", True),
+                            qk_norm=getattr(config, "qk_norm", False))
         self.post_init()
 
 

@@ -30,6 +30,7 @@ class SDARConfig(PretrainedConfig):
         rope_theta: float = 1_000_000.0,
         rope_scaling: dict | None = None,
         attention_bias: bool = False,
+        qk_norm: bool = True,  # Qwen3's per-head q/k RMSNorm; false for a model converted from Llama / Qwen2 (a2d)
         attention_dropout: float = 0.0,
         block_size: int = 4,
         mask_token_id: int = 151669,
@@ -53,6 +54,7 @@ class SDARConfig(PretrainedConfig):
         if rope_scaling:  # the public checkpoints use none; refuse rather than silently ignore it
             raise ValueError(f"SDAR rope_scaling {rope_scaling!r} is not supported")
         self.attention_bias = attention_bias
+        self.qk_norm = qk_norm
         self.attention_dropout = attention_dropout
         self.block_size = block_size
         self.mask_token_id = mask_token_id

@@ -30,7 +30,7 @@ class SDARModel(BackboneMixin, QwenBackboneMixin, SDARPreTrainedModel):
 
     def __init__(self, config: SDARConfig):
         super().__init__(config)
-        self.build_backbone(config, qkv_bias=config.attention_bias, qk_norm=True)
+        self.build_backbone(config, qkv_bias=config.attention_bias, qk_norm=getattr(config, "qk_norm", True))
         self.post_init()
 
 

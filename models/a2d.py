@@ -1,0 +1,195 @@
+"""AR -> diffusion (A2D): turn a local Hugging Face autoregressive checkpoint into one of our diffusion families.
+
+    python -m models.a2d --source /path/to/SmolLM2-135M-Instruct --to dream --out runs/a2d/smollm2_dream
+    python -m models.a2d --source DIR --gguf-file model.gguf --to sdar --block-size 4 --out runs/a2d/smollm2_sdar
+
+Sources: Llama, Qwen2 and Qwen3 causal LMs (``model_type`` llama / qwen2 / qwen3), from safetensors or, through
+transformers, from a GGUF file (``--gguf-file``). Targets, both with the source's layers unchanged (a Llama has
+no q/k/v biases and no q/k norm; Qwen2 has biases; Qwen3 has the norm: the families' configs say which):
+
+* ``dream``: full attention with shifted logits (the hidden state at i predicts token i + 1, as the AR model's
+  does), as Dream was built from Qwen2.5 (arXiv 2508.15487). On a clean causal layout the converted model's logits
+  are exactly the AR model's, so it starts as the AR model and the adaptation only has to teach it to read masks
+  and attend both ways.
+* ``sdar``: block diffusion with ``--block-size``, no shift (position i predicts token i from the masks of its
+  block), as SDAR was built from Qwen3 (JetAstra/SDAR). The weights are the AR model's; the adaptation teaches
+  the unshifted prediction.
+
+The mask token (``--mask-token``, default ``<|mask|>``) is added to the tokenizer as a new special token (never
+the EOS or pad); its embedding row (and LM-head row, when untied) is the mean of the existing rows, a neutral
+input that no AR statistics single out (dllm's A2D recipes and Dream start from a fresh token the same way). The
+chat template and every other tokenizer file are kept. ``config.json`` records the conversion under ``a2d``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import UserError
+
+SOURCES = ("llama", "qwen2", "qwen3")
+TARGETS = ("dream", "sdar")
+
+
+class ConversionError(UserError):
+    """An AR checkpoint this converter cannot turn into a diffusion model (one line saying why)."""
+
+
+def load_ar(source: str | Path, gguf_file: str | None = None) -> tuple[Any, Any]:
+    """The AR model (float32, eval) and its tokenizer from a local folder; never runs remote code."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(source)
+    if not source.is_dir():
+        raise ConversionError(f"--source {source}: not a folder (a local Hugging Face checkpoint)")
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(str(source), trust_remote_code=False, **extra)
+    except Exception as err:  # noqa: BLE001 - one line, not a traceback
+        raise ConversionError(f"--source {source}: cannot read its config ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200]})") from None
+    check_source(config)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, trust_remote_code=False, **extra)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False, **extra)
+    return model.eval(), tokenizer
+
+
+def check_source(config: Any) -> None:
+    """One line for an architecture or option the diffusion families cannot reproduce exactly."""
+    kind = getattr(config, "model_type", None)
+    if kind not in SOURCES:
+        raise ConversionError(f"unsupported architecture {kind!r} ({getattr(config, 'architectures', None)}); "
+                              f"A2D converts {', '.join(SOURCES)} causal LMs")
+    rope = getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in (None, "default"):
+        raise ConversionError(f"rope_scaling {rope_type!r} is not supported (the diffusion families use plain RoPE)")
+    if getattr(config, "mlp_bias", False):
+        raise ConversionError("mlp_bias=true is not supported (the families' MLPs have no biases)")
+    if getattr(config, "use_sliding_window", False):
+        raise ConversionError("use_sliding_window=true is not supported (the families attend over every position)")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ConversionError(f"hidden_act {config.hidden_act!r} is not supported (the families' MLPs use SiLU)")
+
+
+def add_mask_token(tokenizer: Any, mask_token: str) -> int:
+    """Add ``mask_token`` as a new special token; returns its id."""
+    if mask_token in tokenizer.get_vocab():
+        raise ConversionError(f"--mask-token {mask_token!r} is already a token of this tokenizer (id "
+                              f"{tokenizer.convert_tokens_to_ids(mask_token)}); choose a new one")
+    tokenizer.add_special_tokens({"mask_token": mask_token})
+    mask_id = tokenizer.convert_tokens_to_ids(mask_token)
+    if mask_id in {tokenizer.eos_token_id, tokenizer.pad_token_id} or mask_id is None:
+        raise ConversionError(f"the tokenizer has no room for a new mask token ({mask_token!r} became id {mask_id})")
+    return mask_id
+
+
+def _rope_theta(config: Any) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:  # transformers 5 keeps it in rope_parameters
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def target_config(ar: Any, to: str, vocab: int, mask_id: int, tokenizer: Any, block_size: int) -> Any:
+    """The diffusion family's config with the AR model's shapes."""
+    common = dict(
+        vocab_size=vocab, hidden_size=ar.hidden_size, intermediate_size=ar.intermediate_size,
+        num_hidden_layers=ar.num_hidden_layers, num_attention_heads=ar.num_attention_heads,
+        num_key_value_heads=ar.num_key_value_heads,
+        head_dim=getattr(ar, "head_dim", None) or ar.hidden_size // ar.num_attention_heads,
+        max_position_embeddings=ar.max_position_embeddings, rms_norm_eps=ar.rms_norm_eps, rope_theta=_rope_theta(ar),
+        tie_word_embeddings=bool(getattr(ar, "tie_word_embeddings", False)),
+        attention_bias=ar.model_type == "qwen2" or bool(getattr(ar, "attention_bias", False)),
+        qk_norm=ar.model_type == "qwen3", mask_token_id=mask_id, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    if to == "dream":
+        from models.dream import DreamConfig
+
+        return DreamConfig(**common)
+    from models.sdar import SDARConfig
+
+    if block_size < 1 or ar.max_position_embeddings % block_size:
+        raise ConversionError(f"--block-size {block_size} does not divide the model's {ar.max_position_embeddings} "
+                              "positions")
+    return SDARConfig(block_size=block_size, **common)
+
+
+def converted_state(ar_model: Any, vocab: int, config: Any) -> dict[str, torch.Tensor]:
+    """The AR weights under the family's names (the same Qwen-style names), embedding and head grown to ``vocab``
+    rows (new rows: the mean of the existing ones), zero q/k/v biases where the family has biases and the source
+    does not."""
+    state = {k: v.detach().clone() for k, v in ar_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        if key in state and state[key].shape[0] < vocab:
+            old = state[key]
+            state[key] = torch.cat([old, old.mean(0, keepdim=True).expand(vocab - old.shape[0], -1)])
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:  # a tied source saved without a head
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    return state
+
+
+def convert(source: str | Path, to: str, out: str | Path, block_size: int = 4, mask_token: str = "<|mask|>",
+            gguf_file: str | None = None) -> Path:
+    """Write ``out``: the converted checkpoint (config, safetensors, tokenizer) that ``load_model`` and
+    ``AutoModelForCausalLM`` read."""
+    if to not in TARGETS:
+        raise ConversionError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
+    ar_model, tokenizer = load_ar(source, gguf_file)
+    ar = ar_model.config
+    mask_id = add_mask_token(tokenizer, mask_token)
+    vocab = max(ar.vocab_size, len(tokenizer))
+    config = target_config(ar, to, vocab, mask_id, tokenizer, block_size)
+    config.a2d = {"source": str(source), "gguf_file": gguf_file, "source_model_type": ar.model_type, "target": to,
+                  "mask_token": mask_token, "mask_row_init": "mean of the existing embedding rows",
+                  "shifted_logits": to == "dream", "block_size": block_size if to == "sdar" else None}
+    from models.registry import family_spec
+
+    model = family_spec(to).model_class(config)
+    state = converted_state(ar_model, vocab, config)
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    for key in expected - state.keys():
+        if key.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            state[key] = torch.zeros_like(model.state_dict()[key])  # a bias-free source: zero biases, same outputs
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConversionError(f"the {ar.model_type} weights do not map onto {to} (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]})")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m models.a2d", description=__doc__.splitlines()[0])
+    ap.add_argument("--source", required=True, help="local folder of a Llama / Qwen2 / Qwen3 causal LM")
+    ap.add_argument("--to", required=True, choices=TARGETS, help="dream: full attention, shifted; sdar: blocks")
+    ap.add_argument("--out", required=True, help="folder to write the converted checkpoint to")
+    ap.add_argument("--block-size", type=int, default=4, help="sdar: the block size")
+    ap.add_argument("--mask-token", default="<|mask|>", help="the new mask token's text")
+    ap.add_argument("--gguf-file", default=None, help="a GGUF file inside --source (read by transformers)")
+    args = ap.parse_args(argv)
+    try:
+        out = convert(args.source, args.to, args.out, args.block_size, args.mask_token, args.gguf_file)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({args.to}; model_base: {args.to})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

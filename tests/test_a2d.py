@@ -1,0 +1,119 @@
+"""AR -> diffusion conversion (models/a2d.py) on tiny random Llama / Qwen2 / Qwen3 checkpoints: the shifted
+full-attention variant reproduces the AR model's logits on a causal layout, the block variant loads, samples and
+trains, the mask token is new, the chat template survives, and bad input is one line. (transformers cannot write
+GGUF files, so the GGUF path is covered only by the real-weights run.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from models.a2d import ConversionError, convert
+from models.common import AttentionLayout
+from models.registry import load_model
+
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def _ar_checkpoint(path, kind: str, tokenizer, tied: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    extra = {"head_dim": 16} if kind == "qwen3" else {}  # Qwen3's head_dim need not be hidden / heads
+    config = classes[kind][0](vocab_size=len(tokenizer), tie_word_embeddings=tied, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, **SHAPE, **extra)
+    torch.manual_seed(0)
+    model = classes[kind][1](config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # Qwen2's q/k/v biases: non-zero, so that dropping them would show
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ar_tokenizer(demo_tokenizer):
+    return demo_tokenizer
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_shifted_variant_reproduces_the_ar_logits_on_a_causal_layout(tmp_path, ar_tokenizer, kind, tied):
+    src = _ar_checkpoint(tmp_path / "ar", kind, ar_tokenizer, tied)
+    out = convert(src, "dream", tmp_path / "dream")
+    ar = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    ours = load_model({"pretrained_model": str(out), "model_base": "dream", "dtype": "float32"})
+    ids = torch.randint(0, len(ar_tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24).expand(2, 24)
+    with torch.no_grad():
+        want = ar(ids).logits
+        got = ours.forward(ids, pos, AttentionLayout.causal(torch.ones(2, 24, dtype=torch.bool)))
+    assert got.shape[-1] == len(ar_tokenizer) + 1  # one new row: the mask token
+    torch.testing.assert_close(got[..., :want.shape[-1]], want, atol=1e-5, rtol=0)
+    assert ours.shift_logits and ours.mask_id == len(ar_tokenizer)
+    assert ours.mask_id not in {ar_tokenizer.eos_token_id, ar_tokenizer.pad_token_id}
+    assert (out / "model.safetensors").is_file() and type(AutoModelForCausalLM.from_pretrained(str(out))).__name__ \
+        == "DreamModel"
+    config = json.loads((out / "config.json").read_text())
+    assert config["a2d"]["source_model_type"] == kind and config["a2d"]["shifted_logits"] is True
+    assert config["tie_word_embeddings"] is tied and config["qk_norm"] is (kind == "qwen3")
+
+
+def test_mask_row_chat_template_and_tokenizer_survive(tmp_path, ar_tokenizer):
+    src = _ar_checkpoint(tmp_path / "ar", "llama", ar_tokenizer)
+    out = convert(src, "dream", tmp_path / "dream")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.chat_template == ar_tokenizer.chat_template and tok.chat_template
+    assert tok.mask_token == "<|mask|>" and tok.mask_token_id == len(ar_tokenizer)
+    text = "What is 23 + 19?"
+    assert tok.encode(text) == ar_tokenizer.encode(text)  # every old id unchanged
+    ours = load_model({"pretrained_model": str(out), "model_base": "dream", "dtype": "float32"}).model
+    emb = ours.get_input_embeddings().weight
+    torch.testing.assert_close(emb[-1], emb[:-1].mean(0), atol=1e-6, rtol=0)  # the mask row: the mean row
+
+
+def test_block_variant_loads_samples_and_trains(tmp_path, ar_tokenizer):
+    from sample.generate import generate
+    from sample.params import SamplingParams
+    from tests.test_train_trainer import fake_batch, make_trainer
+
+    src = _ar_checkpoint(tmp_path / "ar", "qwen3", ar_tokenizer)
+    out = convert(src, "sdar", tmp_path / "sdar", block_size=4)
+    ar = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    ours = load_model({"pretrained_model": str(out), "model_base": "sdar", "dtype": "float32"})
+    assert ours.block_size == 4 and not ours.shift_logits
+    ids = torch.randint(0, len(ar_tokenizer), (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # the same weights: on a causal layout the forward is the AR model's
+        got = ours.forward(ids, torch.arange(12)[None], AttentionLayout.causal(torch.ones(1, 12, dtype=torch.bool)))
+        torch.testing.assert_close(got[..., :len(ar_tokenizer)], ar(ids).logits, atol=1e-5, rtol=0)
+    rollout = generate(ours, ["What is 2 + 3?"], SamplingParams(max_tokens=8, temperature=0.0), progress=False)
+    assert len(rollout[0].response_ids) > 0 and ours.mask_id not in rollout[0].response_ids
+    trainer = make_trainer(ours, learning_rate=1e-3)
+    trajs = fake_batch(ours, n=2)
+    before = {k: v.clone() for k, v in ours.model.state_dict().items()}
+    trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    assert any(not torch.equal(before[k], v) for k, v in ours.model.state_dict().items())
+
+
+def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(ar_tokenizer), n_embd=32, n_layer=1, n_head=4)).save_pretrained(gpt2)
+    ar_tokenizer.save_pretrained(gpt2)
+    with pytest.raises(ConversionError, match=r"^unsupported architecture 'gpt2'"):
+        convert(gpt2, "dream", tmp_path / "x")
+    src = _ar_checkpoint(tmp_path / "ar", "llama", ar_tokenizer)
+    with pytest.raises(ConversionError, match=r"--block-size 5 does not divide the model's 128 positions"):
+        convert(src, "sdar", tmp_path / "y", block_size=5)
+    with pytest.raises(ConversionError, match=r"is already a token of this tokenizer"):
+        convert(src, "dream", tmp_path / "z", mask_token=ar_tokenizer.eos_token)
+    with pytest.raises(ConversionError, match=r"not a folder"):
+        convert(tmp_path / "missing", "dream", tmp_path / "w")
