@@ -356,7 +356,7 @@ class RLJob:
                 metrics = {"step": 0, **self._evaluate(d)}
                 self._write_metrics(d, metrics)
             self._after_step(metrics)
-        idle = 0
+        idle = self._idle_steps_before(first)
         for step in range(first, cfg.experiment.total_step + 1):
             with self.run.staging(step, self.main) as d:
                 metrics = self.one_step(step, d)
@@ -367,6 +367,16 @@ class RLJob:
                                   f"update: {_idle_cause(metrics)}; stopping (experiment.max_idle_steps="
                                   f"{cfg.experiment.max_idle_steps})")
         return self.run.metrics() if self.main else []
+
+    def _idle_steps_before(self, first: int) -> int:
+        """Steps in a row without an optimizer update just before ``first`` (a resumed run keeps counting)."""
+        idle = 0
+        if first > 1 and self.main:
+            for metrics in reversed([m for m in self.run.metrics() if m["step"] < first]):
+                if metrics.get("optimizer_steps", 1) != 0 or metrics["step"] == 0:
+                    break
+                idle += 1
+        return gather_objects(self.acc, [idle])[0]  # rank 0 read the step files
 
     def one_step(self, step: int, out: Path) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()

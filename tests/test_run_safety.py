@@ -189,6 +189,16 @@ def test_steps_without_an_update_stop_the_run(tmp_path, model, rl):
     assert [(m["step"], m["kept"], m["optimizer_steps"]) for m in lines] == [(1, 0, 0), (2, 0, 0)]
 
 
+def test_the_idle_count_carries_over_a_resume(tmp_path, model, rl):
+    # two idle steps, then a resume: the third idle step in a row stops the run (not the fifth)
+    over = {"reward.acc_low": 0.9, "reward.acc_high": 0.95, "experiment.max_idle_steps": 3,
+            "experiment.save_every": 1}
+    rl(tmp_path, model, **over, **{"experiment.total_step": 2})
+    with pytest.raises(RunDirError, match=r"3 steps in a row \(steps 1..3\) made no optimizer update"):
+        rl(tmp_path, model, **over, **{"experiment.total_step": 5, "experiment.start_from_scratch": "false"})
+    assert [m["step"] for m in _metrics(tmp_path / "run")] == [1, 2, 3]
+
+
 # ------------------------------------------------------------------------------------------ full disk
 
 
