@@ -241,6 +241,8 @@ class RLJob:
             from reward.judges import build_judge
 
             self.judge = build_judge(cfg.model.process_reward_model, cfg.process_reward, seed=cfg.experiment.seed)
+        if resume_from is None:  # every setup check passed: only now may an overwritten run go
+            clear_for_fresh_run(self.root, cfg.experiment.overwrite, self.acc)
         self.tracker = start_trackers(cfg, self.root) if self.main else None
         if resume_from is not None:
             self._load_trainer(self.run.step(resume_from) / "ckpt")
@@ -278,7 +280,7 @@ class RLJob:
         """None for a fresh run (the directory must be empty unless overwrite); else the step to resume from."""
         exp = self.cfg.experiment
         if exp.start_from_scratch:
-            clear_for_fresh_run(self.root, exp.overwrite, self.acc)
+            clear_for_fresh_run(self.root, exp.overwrite, self.acc, check_only=True)  # emptied after the setup
             return None
         if not (self.root / "config.yaml").is_file():
             raise RunDirError(f"nothing to resume in {self.root}: it holds no run (start a new run with "

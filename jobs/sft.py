@@ -197,6 +197,8 @@ class SFTJob:
         first = 0
         if resume:
             first = int(load_checkpoint(self.trainer, self.last)["step"])
+        else:  # every setup check passed: only now may an overwritten run go
+            clear_for_fresh_run(self.root, cfg.experiment.overwrite, self.acc)
         if self.main:
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / "config.yaml", config_text(cfg))
@@ -211,7 +213,7 @@ class SFTJob:
                 raise RunDirError(f"nothing to resume in {self.root}: the checkpoint {self.last} cannot be resumed "
                                   f"({problem})")
             return True
-        clear_for_fresh_run(self.root, exp.overwrite, self.acc)
+        clear_for_fresh_run(self.root, exp.overwrite, self.acc, check_only=True)  # emptied after the setup
         return False
 
     def _samples(self) -> list[Trajectory]:

@@ -350,6 +350,25 @@ def test_sft_is_locked_stores_its_weights_once_and_reports_a_full_disk(tmp_path,
     assert not (tmp_path / "sft" / "ckpt" / "last.partial").exists()
 
 
+def test_an_overwrite_that_fails_its_setup_keeps_the_old_run(tmp_path, model, rl):
+    from jobs.rollout import load_tasks  # noqa: F401 - the error below comes from it
+    from jobs.sft import run_sft
+    from tests.test_sft import sft_args
+
+    rl(tmp_path, model, **{"experiment.total_step": 1, "experiment.save_every": 1})
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(FileNotFoundError, match="no_such_set"):  # found while setting up, after the run-dir check
+        rl(tmp_path, model, **{"experiment.overwrite": "true", "dataset.train_dataset": "no_such_set"})
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+    args = sft_args(tmp_path, model, **{"training.max_steps": 1})
+    run_sft(load_config(args, "sft"), progress=False)
+    sft_before = sorted((tmp_path / "sft").rglob("*"))
+    with pytest.raises(Exception, match="no_such_set"):
+        run_sft(load_config([*args, "experiment.overwrite=true", "dataset.optimization_data=no_such_set"], "sft"),
+                progress=False)
+    assert sorted((tmp_path / "sft").rglob("*")) == sft_before
+
+
 # ------------------------------------------------------------------------------------------ non-finite values
 
 
