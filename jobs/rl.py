@@ -241,7 +241,7 @@ class RLJob:
             from reward.judges import build_judge
 
             self.judge = build_judge(cfg.model.process_reward_model, cfg.process_reward, seed=cfg.experiment.seed)
-        if resume_from is None:  # every setup check passed: only now may an overwritten run go
+        if cfg.experiment.start_from_scratch:  # every setup check passed: only now may an overwritten run go
             clear_for_fresh_run(self.root, cfg.experiment.overwrite, self.acc)
         self.tracker = start_trackers(cfg, self.root) if self.main else None
         if resume_from is not None:
