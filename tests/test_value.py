@@ -208,3 +208,13 @@ if __name__ == "__main__":  # a ZeRO-3 value step on 2 processes; each rank writ
                                          for _, p in sorted(trainer.model.named_parameters()))).hexdigest()
     Path(f"{sys.argv[1]}.{acc.process_index}").write_text(f"{acc.num_processes} {digest}")
     leave(acc)
+
+
+def test_process_rewards_on_untrained_tokens_count_on_the_last_trained_step():
+    from sample.trajectory import Trajectory
+
+    traj = Trajectory(prompt_ids=[1], response_ids=[5, 6, 7], step_map=[1, 2, 3], logprobs=[0.0] * 3, sample_id="a")
+    values = {"a": torch.tensor([0.0, 0.5, float("nan")])}  # the third token is not trained
+    adv, ret = value_advantages([traj], {"a": [0.1, 0.2, 0.7]}, values, 1.0, 1.0)
+    # gamma = lam = 1: returns are rewards to go, 0.7 moved onto step 2 (the last trained step)
+    assert ret["a"] == pytest.approx([1.0, 0.9, 0.0]) and adv["a"] == pytest.approx([1.0, 0.4, 0.0])

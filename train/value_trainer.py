@@ -87,8 +87,9 @@ class ValueTrainer(Trainer):
 def value_advantages(trajectories: Sequence[Trajectory], rewards: Mapping[str, float | Sequence[float]],
                      values: Mapping[str, Tensor], gamma: float, lam: float) -> tuple[dict, dict]:
     """Per sample id, per-token (advantages, returns) from the old values and each sample's reward: a scalar
-    (outcome) is placed on the sample's last trained step, a per-token list (process reward) is used as it is;
-    tokens without a value (not trained) get 0 and do not take part."""
+    (outcome) is placed on the sample's last trained step, a per-token list (process reward) is used as it is,
+    its entries on tokens without a value (not trained) added to the last trained step; those tokens get 0 and
+    do not take part."""
     sample, steps, vals, where = [], [], [], []
     for si, t in enumerate(trajectories):
         v = values[t.sample_id]
@@ -101,8 +102,12 @@ def value_advantages(trajectories: Sequence[Trajectory], rewards: Mapping[str, f
     s, k, v = torch.cat(sample), torch.cat(steps), torch.cat(vals)
     per_token = [isinstance(rewards[t.sample_id], Sequence) for t in trajectories]
     if all(per_token):
-        token_rewards = torch.cat([torch.tensor(rewards[t.sample_id], dtype=torch.float32)[idx]
-                                   for t, idx in zip(trajectories, where, strict=True)])
+        full = [torch.tensor(rewards[t.sample_id], dtype=torch.float32) for t in trajectories]
+        token_rewards = torch.cat([r[idx] for r, idx in zip(full, where, strict=True)])
+        # rewards on tokens that are not trained (beyond training.max_gen_length, ...) are not lost: they count
+        # as outcome, on the sample's last trained step
+        untrained = torch.stack([r.sum() - r[idx].sum() for r, idx in zip(full, where, strict=True)])
+        token_rewards = token_rewards + outcome_token_rewards(s, k, untrained)
     elif not any(per_token):
         reward = torch.tensor([float(rewards[t.sample_id]) for t in trajectories])
         token_rewards = outcome_token_rewards(s, k, reward)
