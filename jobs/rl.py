@@ -425,7 +425,9 @@ class RLJob:
         def judge(chats: list) -> list[str]:
             rank, world = self.acc.process_index, self.acc.num_processes
             mine = list(range(rank, len(chats), world))
-            answers = gather_objects(self.acc, list(zip(mine, self.judge([chats[i] for i in mine]), strict=True)))
+            seed = (self.cfg.experiment.seed * 1_000_003 + self.step) * 1009 + rank  # fresh draws every step
+            answers = gather_objects(self.acc, list(zip(mine, self.judge([chats[i] for i in mine], seed=seed),
+                                                        strict=True)))
             return [a for _, a in sorted(answers)]
 
         tok = self.adapter.tokenizer

@@ -46,8 +46,8 @@ class EndpointJudge:
         self.model, self.cfg, self.api_key, self.sleep = model, cfg, api_key, sleep
         self.failures = 0  # failed attempts that a retry recovered from
 
-    def __call__(self, chats: Sequence[list[dict]]) -> list[str]:
-        with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
+    def __call__(self, chats: Sequence[list[dict]], seed: int | None = None) -> list[str]:
+        with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:  # the server samples: no seed here
             return list(pool.map(self._one, chats))
 
     def _one(self, chat: list[dict]) -> str:
@@ -111,12 +111,20 @@ class LocalJudge:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
 
-    def __call__(self, chats: Sequence[list[dict]]) -> list[str]:
+    def __call__(self, chats: Sequence[list[dict]], seed: int | None = None) -> list[str]:
+        """The judge's answers; sampling is seeded by ``seed`` (default: the run seed) and leaves the caller's
+        random state as it was."""
+        import torch
+
+        devices = [torch.device(self.device)] if str(self.device).startswith("cuda") else []
+        with torch.random.fork_rng(devices=devices):
+            return self._answers(chats, self.seed if seed is None else seed)
+
+    def _answers(self, chats: Sequence[list[dict]], generator_seed: int) -> list[str]:
         import torch
 
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         out: list[str] = []
-        generator_seed = self.seed
         for i in range(0, len(prompts), self.cfg.concurrency):
             batch = self.tokenizer(prompts[i:i + self.cfg.concurrency], return_tensors="pt", padding=True,
                                    add_special_tokens=False).to(self.device)
@@ -124,7 +132,7 @@ class LocalJudge:
             if width + self.cfg.max_new_tokens > self.cfg.max_model_len:
                 raise JudgeError(f"a judge prompt has {width} tokens, over process_reward.max_model_len "
                                  f"({self.cfg.max_model_len}) minus max_new_tokens ({self.cfg.max_new_tokens})")
-            torch.manual_seed(generator_seed + i)  # judgments are reproducible for a given run seed
+            torch.manual_seed(generator_seed + i)  # judgments are reproducible for a given seed
             sampled = self.cfg.temperature > 0
             with torch.no_grad():
                 ids = self.model.generate(**batch, max_new_tokens=self.cfg.max_new_tokens, do_sample=sampled,

@@ -138,6 +138,22 @@ def _tiny_ar_judge(path: Path, tokenizer) -> Path:
     return path
 
 
+def test_local_judge_is_seeded_per_call_and_leaves_the_callers_random_state(models):
+    import torch
+
+    from reward.judges import LocalJudge
+    from reward.process import ProcessRewardConfig
+
+    judge = LocalJudge(str(models["judge"]), ProcessRewardConfig(temperature=1.0, max_new_tokens=6, concurrency=2),
+                       seed=3)
+    chats = [[{"role": "user", "content": f"Grade step {i}."}] for i in range(3)]
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = judge(chats, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)  # the training's random stream is untouched
+    assert judge(chats, seed=7) == first and len(first) == 3  # a step's judgments are reproducible (resume)
+
+
 def _process_args(tmp_path: Path, models: dict, **over) -> list[str]:
     args = demo_args(tmp_path, models["sdar"], **{"experiment.total_step": 2, "reward.acc_low": 0.0,
                                                   "reward.acc_high": 1.0, **over})
