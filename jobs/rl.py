@@ -243,7 +243,8 @@ class RLJob:
             self.judge = build_judge(cfg.model.process_reward_model, cfg.process_reward, seed=cfg.experiment.seed)
         if cfg.experiment.start_from_scratch:  # every setup check passed: only now may an overwritten run go
             clear_for_fresh_run(self.root, cfg.experiment.overwrite, self.acc)
-        self.tracker = start_trackers(cfg, self.root) if self.main else None
+        first = 1 if resume_from is None else resume_from + 1
+        self.tracker = start_trackers(cfg, self.root, first) if self.main else None
         if resume_from is not None:
             self._load_trainer(self.run.step(resume_from) / "ckpt")
             if self.value is not None:
@@ -252,7 +253,7 @@ class RLJob:
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / "config.yaml", config_text(cfg))
         barrier(self.acc)
-        return 1 if resume_from is None else resume_from + 1
+        return first
 
     def _value_trainer(self, resume_from: int | None) -> ValueTrainer:
         """The value model: initialised from ``model.value_base_model`` (zero head), or its checkpoint."""

@@ -34,12 +34,15 @@ def numeric_scalars(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def start_trackers(cfg: Any, run_dir: Path) -> Trackers:
+def start_trackers(cfg: Any, run_dir: Path, first_step: int = 1) -> Trackers:
+    """The enabled trackers; ``first_step`` > 1 (a resumed run): TensorBoard hides what an earlier attempt logged
+    for the steps about to be redone (a step interrupted after its metrics were logged is logged again)."""
     trackers = []
     if cfg.wandb.enabled:
         trackers.append(_wandb_run(cfg, run_dir))
     if cfg.tensorboard.enabled:
-        trackers.append(TensorBoard(Path(cfg.tensorboard.log_dir or run_dir / "tensorboard")))
+        trackers.append(TensorBoard(Path(cfg.tensorboard.log_dir or run_dir / "tensorboard"),
+                                    purge_step=first_step if first_step > 1 else None))
     return Trackers(trackers)
 
 
@@ -56,7 +59,7 @@ def _wandb_run(cfg: Any, run_dir: Path) -> Any:
 class TensorBoard:
     """Scalars as TensorBoard event files (tensorboardX, or torch.utils.tensorboard when tensorboard is installed)."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
@@ -65,7 +68,7 @@ class TensorBoard:
             except ImportError:
                 raise RunDirError("tensorboard.enabled is true but neither tensorboardX nor tensorboard is installed "
                                   "(pip install tensorboardX)") from None
-        self.writer = SummaryWriter(str(log_dir))
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for key, value in scalars.items():

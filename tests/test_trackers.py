@@ -44,3 +44,30 @@ def test_an_rl_run_writes_tensorboard_scalars_equal_to_its_metrics(tmp_path, dem
     assert scalars["reward"] == pytest.approx({m["step"]: m["reward"] for m in metrics if "reward" in m})
     assert scalars["eval_acc"] == pytest.approx({0: metrics[0]["eval_acc"], 2: metrics[2]["eval_acc"]})
     assert set(scalars["optimizer_steps"]) == {1, 2}
+
+
+def test_a_resumed_run_purges_the_steps_it_redoes_from_tensorboard(tmp_path, demo_tokenizer, monkeypatch):
+    pytest.importorskip("tensorboardX")
+    from tensorboardX.proto import event_pb2
+
+    from jobs.rl import run_rl
+    from tests import rl_harness
+
+    rl_harness.install(patch=monkeypatch.setattr)
+    model = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    over = {"experiment.eval_every": 0, "experiment.save_every": 1, "tensorboard.enabled": "true"}
+    run_rl(load_config(demo_args(tmp_path, model, **over, **{"experiment.total_step": 2}), "rl"), progress=False)
+    run_rl(load_config(demo_args(tmp_path, model, **over, **{"experiment.total_step": 3,
+                                                             "experiment.start_from_scratch": "false"}), "rl"),
+           progress=False)
+    files = sorted((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    assert len(files) == 2
+    data, pos, starts = files[-1].read_bytes(), 0, []
+    while pos < len(data):  # the resumed writer's file opens with a session start at the first step it redoes
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+        pos += 12 + length + 4
+        if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+            starts.append(event.step)
+    assert starts == [3]
+    assert set(read_scalars(tmp_path / "run" / "tensorboard")["reward"]) == {1, 2, 3}
