@@ -189,12 +189,11 @@ class PackedLinear:
 
     BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
 
-    def __init__(self, linears: Sequence[nn.Module]):
-        linears = [_base_linear(m) for m in linears], linears
-        self.sizes = [m.out_features for m in linears[0]]
-        weight = torch.cat([_effective_weight(m) for m in linears[1]])
+    def __init__(self, layers: Sequence[nn.Module]):
+        linears = [_base_linear(m) for m in layers]
+        self.sizes = [m.out_features for m in linears]
+        weight = torch.cat([_effective_weight(m) for m in layers])
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
-        linears = linears[0]
         biases = [m.bias for m in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat([
             b.detach() if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, linears)])
