@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.sampler import hardware_line
+from bench import hardware_line
 
 MODES = {"full": None, "lora_r16": 16, "lora_r128": 128}
 SIZES = {  # hidden, layers, heads, kv heads, MLP

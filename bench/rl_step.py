@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.sampler import hardware_line
+from bench import hardware_line
 from core.config import load_config
 from jobs.rl import RLJob
 from models.registry import load_model

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from bench import hardware_line
 from models.registry import make_adapter
 from models.sdar import SDARConfig, SDARForCausalLM
 from models.tokenizers import build_demo_tokenizer
@@ -52,20 +52,6 @@ PRESETS = {  # hidden, layers, heads, kv heads, head dim, mlp, vocab
     "cpu-151936": (256, 4, 8, 2, 32, 768, 151936),  # the cpu preset with Qwen3's vocabulary: the LM head dominates
     "1.7b": (2048, 28, 16, 8, 128, 6144, 151936),  # Qwen3-1.7B / SDAR-1.7B shape
 }
-
-
-def hardware_line(device: str) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    line = (f"hardware: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
-    if device.startswith("cuda"):
-        line += f", GPU {torch.cuda.get_device_name(device)}"
-    return line
 
 
 def build_adapter(preset: str, device: str, dtype: torch.dtype, block_size: int):

@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2 as httpx
 import torch
 
-from bench.sampler import PRESETS, build_adapter, hardware_line
+from bench import hardware_line
+from bench.sampler import PRESETS, build_adapter
 from jobs.serve import background_server, build_app
 from jobs.serve_engine import ServeEngine
 from sample.generate import generate

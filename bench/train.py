@@ -29,13 +29,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import subprocess
 import sys
 import time
 
 import torch
+
+from bench import hardware_line
 
 # (layout, logits, attention): dense = one masked [N, N] attention per row (the reference's way), split = ours on
 # CPU (each piece of the row attends only to the keys it may see, models/common.py). The first is the baseline.
@@ -44,19 +45,6 @@ import torch
 CONFIGS = (("per_round", "full", "dense"), ("per_round", "gathered", "dense"), ("packed", "gathered", "dense"),
            ("per_round", "full", "split"), ("per_round", "gathered", "split"), ("packed", "full", "split"),
            ("packed", "gathered", "split"), ("budget", "gathered", "split"))
-
-
-def hardware_line() -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"hardware: {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), python {platform.python_version()}, "
-            f"load average {os.getloadavg()[0]:.1f} at start")
 
 
 def _rss_kib() -> float:
