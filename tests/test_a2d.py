@@ -117,3 +117,36 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
         convert(src, "dream", tmp_path / "z", mask_token=ar_tokenizer.eos_token)
     with pytest.raises(ConversionError, match=r"not a folder"):
         convert(tmp_path / "missing", "dream", tmp_path / "w")
+
+
+def test_distilled_rows_are_the_ar_models_own_greedy_answers_and_train_the_converted_model(tmp_path, ar_tokenizer):
+    from core.config import load_config
+    from jobs.distill import main as distill_main
+    from jobs.distill import scored_rows
+    from jobs.sft import run_sft
+    from models.a2d import load_ar
+
+    src = _ar_checkpoint(tmp_path / "ar", "llama", ar_tokenizer)
+    model, tok = load_ar(src)
+    rows = scored_rows(model, tok, 4, seed=0, difficulty=1, max_new_tokens=5, progress=False)
+    assert [r["prompt"] for r in rows][0].startswith("Compute ") and all(r["correct"] is False for r in rows)
+    chat = tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(chat, return_tensors="pt", add_special_tokens=False)
+    greedy = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert rows[0]["response"] == tok.decode(greedy[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    data = tmp_path / "distill.jsonl"
+    assert distill_main(["--source", str(src), "--out", str(data), "--n", "4", "--all", "--eval-n", "0",
+                         "--max-new-tokens", "5"]) == 0
+    assert len(data.read_text().splitlines()) == 4
+    # the adaptation: diffusion SFT of the converted (shifted, full-attention) model on those rows
+    out = convert(src, "dream", tmp_path / "dream")
+    cfg = load_config(["config=configs/demo/sft_demo.yaml", f"model.pretrained_model={out}", "model.model_base=dream",
+                       "model.init_tiny_if_missing=false", f"dataset.optimization_data={data}",
+                       f"experiment.output_dir={tmp_path}", "experiment.project=adapt", "training.max_steps=2",
+                       "training.method=random_masking", "training.samples_per_step=4", "training.batch_size_lm=4"],
+                      "sft")
+    final = run_sft(cfg, progress=False)
+    before = load_model({"pretrained_model": str(out), "model_base": "dream", "dtype": "float32"}).model.state_dict()
+    after = load_model({"pretrained_model": str(final), "model_base": "dream", "dtype": "float32"}).model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
