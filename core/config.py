@@ -44,7 +44,8 @@ __all__ = ["ConfigError", "load_config", "load_config_or_exit", "dump_config", "
 
 ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada"]
 DataType = Literal["math", "code", "option"]
-BUILTIN_DATA_TYPES = {"builtin:arithmetic": "math", "builtin:code": "code"}
+BUILTIN_DATA_TYPES = {"builtin:arithmetic": "math", "builtin:code": "code", "builtin:countdown": "math",
+                      "builtin:countdown_test": "math", "builtin:sudoku": "math", "builtin:sudoku_test": "math"}
 # The only paths where a demo config may build its starting model (model.init_tiny_if_missing): tiny random models,
 # and the demo SFT's output (the RL demo's starting point).
 DEMO_MODEL_DIRS = ("runs/demo/tiny_sdar", "runs/demo/tiny_dream", "runs/demo/tiny_llada",
@@ -124,7 +125,7 @@ class RLModelConfig(TrainModelConfig):
 
 @dataclass
 class EvalDatasetConfig(Settings):
-    eval_dataset: str = required()  # data/{name}.json, a .json/.jsonl path, or builtin:arithmetic / builtin:code
+    eval_dataset: str = required()  # data/{name}.json, a .json/.jsonl path, or a built-in (BUILTIN_DATA_TYPES)
     data_type: DataType = "math"
 
 

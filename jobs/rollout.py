@@ -7,6 +7,7 @@ This sits at the job level because it combines data/, sample/ and reward/, which
 from __future__ import annotations
 
 import difflib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from core.loader import ConfigError, as_written
 from core.schema import SettingError, replace
 from data.formats import load_dataset_file
 from data.prompts import prompt_ids
+from data.puzzles import countdown_task, sudoku_task
 from data.tasks import arithmetic_task, code_task
 from reward.math import score_math_batch
 from reward.sandbox import CodeJob, SandboxConfig, code_from_response, run_many
@@ -21,7 +23,11 @@ from sample.generate import Rollout, generate
 from sample.params import SamplingParams
 
 BUILTIN_SIZE = 64  # tasks in a built-in dataset
-BUILTIN_TASKS = {"builtin:arithmetic": ("math", arithmetic_task), "builtin:code": ("code", code_task)}
+BUILTIN_TASKS = {"builtin:arithmetic": ("math", arithmetic_task), "builtin:code": ("code", code_task),
+                 "builtin:countdown": ("math", countdown_task),
+                 "builtin:countdown_test": ("math", functools.partial(countdown_task, split="test")),
+                 "builtin:sudoku": ("math", sudoku_task),
+                 "builtin:sudoku_test": ("math", functools.partial(sudoku_task, split="test"))}
 
 
 def load_tasks(name: str, data_type: str, seed: int = 0, n_builtin: int | None = None,
@@ -86,7 +92,14 @@ def score_rollout(rollout: list, tasks: list[dict], data_type: str, max_tokens: 
     ``truncation_margin`` (RL only) marks responses within the margin of ``max_tokens`` as wrong.
     """
     rows = [tasks[t.task_index] for t in rollout]
-    if data_type in ("math", "option"):
+    if data_type == "math" and rows and all("verifier" in r for r in rows):  # built-in puzzles: any right answer
+        from reward.math import is_truncated
+        from reward.puzzles import score_puzzle
+
+        limit = max_tokens if truncation_margin is not None else None
+        scores = [0.0 if is_truncated(len(t.response_ids), limit, truncation_margin or 0) else score_puzzle(t.text, r)
+                  for t, r in zip(rollout, rows, strict=True)]
+    elif data_type in ("math", "option"):
         lengths = [len(t.response_ids) for t in rollout]
         scores = score_math_batch([t.text for t in rollout], [r["ground_truth_answer"] for r in rows],
                                   data_type=data_type, response_lengths=lengths,

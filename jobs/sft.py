@@ -32,6 +32,7 @@ from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_by
 from core.schema import replace
 from data.formats import DataFormatError, read_raw_rows
 from data.prompts import prompt_ids
+from data.puzzles import countdown_task, sudoku_task
 from data.tasks import arithmetic_task
 from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, load_checkpoint, save_checkpoint
 from jobs.demo import ensure_demo_model
@@ -53,11 +54,15 @@ def turn_end_id(adapter: Any) -> int:
 
 
 def builtin_rows(name: str, n: int, seed: int, difficulty: int) -> list[dict]:
-    """SFT rows of a built-in task: the math question as the prompt, a short boxed answer as the response."""
-    if name != "builtin:arithmetic":
-        raise DataFormatError(f"unknown built-in SFT dataset {name!r} (builtin:arithmetic)")
+    """SFT rows of a built-in task: the question as the prompt, its reference answer boxed as the response
+    (``difficulty`` applies to arithmetic; the puzzles draw their train split)."""
+    makers = {"builtin:arithmetic": lambda: arithmetic_task(n, seed=seed, difficulty=difficulty),
+              "builtin:countdown": lambda: countdown_task(n, seed=seed),
+              "builtin:sudoku": lambda: sudoku_task(n, seed=seed)}
+    if name not in makers:
+        raise DataFormatError(f"unknown built-in SFT dataset {name!r} ({', '.join(makers)})")
     return [{"question": r["question"], "response": ARITHMETIC_ANSWER.format(answer=r["ground_truth_answer"])}
-            for r in arithmetic_task(n, seed=seed, difficulty=difficulty)]
+            for r in makers[name]()]
 
 
 def read_rows(name: str, data_dir: str = "data") -> list[dict]:
