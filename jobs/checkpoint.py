@@ -23,21 +23,21 @@ from core.files import RunDirError, run_dir_entries, write_atomic
 from jobs.dist import barrier, is_main
 
 
-def clear_for_fresh_run(root: Path, overwrite: bool, accelerator: Any, check_only: bool = False) -> None:
-    """A fresh training run needs an empty run directory (its lock aside): refuse a used one unless ``overwrite``
-    (then empty it, unless ``check_only``: jobs check first and empty it once everything else has been checked, so
-    a mistake found while setting up never costs the old run)."""
-    entries = run_dir_entries(root)
-    if entries:
-        if not overwrite:
-            raise RunDirError(f"run directory {root} is not empty; resume it with experiment.start_from_scratch="
-                              "false, or replace it with experiment.overwrite=true")
-        if check_only:
-            return
-        if is_main(accelerator):
-            for p in entries:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        barrier(accelerator)
+def check_fresh_run_dir(root: Path, overwrite: bool) -> None:
+    """A fresh training run needs an empty run directory (its lock aside): refuse a used one unless ``overwrite``.
+    Jobs empty it with :func:`empty_run_dir` only once every other setup check has passed, so a mistake found
+    while setting up never costs the old run."""
+    if run_dir_entries(root) and not overwrite:
+        raise RunDirError(f"run directory {root} is not empty; resume it with experiment.start_from_scratch="
+                          "false, or replace it with experiment.overwrite=true")
+
+
+def empty_run_dir(root: Path, accelerator: Any) -> None:
+    """Remove everything in the run directory but its lock (the main process; collective: every process waits)."""
+    if is_main(accelerator):
+        for p in run_dir_entries(root):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    barrier(accelerator)
 
 
 @contextmanager

@@ -47,7 +47,14 @@ from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_by
 from core.schema import replace as replace_settings
 from core.schema import to_dict
 from data.prompts import prompt_ids
-from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, is_complete, load_checkpoint, save_checkpoint
+from jobs.checkpoint import (
+    check_fresh_run_dir,
+    checkpoint_problem,
+    empty_run_dir,
+    is_complete,
+    load_checkpoint,
+    save_checkpoint,
+)
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
@@ -242,7 +249,7 @@ class RLJob:
 
             self.judge = build_judge(cfg.model.process_reward_model, cfg.process_reward, seed=cfg.experiment.seed)
         if cfg.experiment.start_from_scratch:  # every setup check passed: only now may an overwritten run go
-            clear_for_fresh_run(self.root, cfg.experiment.overwrite, self.acc)
+            empty_run_dir(self.root, self.acc)
         first = 1 if resume_from is None else resume_from + 1
         self.tracker = start_trackers(cfg, self.root, first) if self.main else None
         if resume_from is not None:
@@ -281,7 +288,7 @@ class RLJob:
         """None for a fresh run (the directory must be empty unless overwrite); else the step to resume from."""
         exp = self.cfg.experiment
         if exp.start_from_scratch:
-            clear_for_fresh_run(self.root, exp.overwrite, self.acc, check_only=True)  # emptied after the setup
+            check_fresh_run_dir(self.root, exp.overwrite)  # emptied after the setup
             return None
         if not (self.root / "config.yaml").is_file():
             raise RunDirError(f"nothing to resume in {self.root}: it holds no run (start a new run with "

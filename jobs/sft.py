@@ -34,7 +34,7 @@ from data.formats import DataFormatError, read_raw_rows
 from data.prompts import prompt_ids
 from data.puzzles import countdown_task, sudoku_task
 from data.tasks import arithmetic_task
-from jobs.checkpoint import checkpoint_problem, clear_for_fresh_run, load_checkpoint, save_checkpoint
+from jobs.checkpoint import check_fresh_run_dir, checkpoint_problem, empty_run_dir, load_checkpoint, save_checkpoint
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main
 from models.lora import load_policy
@@ -203,7 +203,7 @@ class SFTJob:
         if resume:
             first = int(load_checkpoint(self.trainer, self.last)["step"])
         else:  # every setup check passed: only now may an overwritten run go
-            clear_for_fresh_run(self.root, cfg.experiment.overwrite, self.acc)
+            empty_run_dir(self.root, self.acc)
         if self.main:
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / "config.yaml", config_text(cfg))
@@ -218,7 +218,7 @@ class SFTJob:
                 raise RunDirError(f"nothing to resume in {self.root}: the checkpoint {self.last} cannot be resumed "
                                   f"({problem})")
             return True
-        clear_for_fresh_run(self.root, exp.overwrite, self.acc, check_only=True)  # emptied after the setup
+        check_fresh_run_dir(self.root, exp.overwrite)  # emptied after the setup
         return False
 
     def _samples(self) -> list[Trajectory]:
