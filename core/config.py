@@ -253,6 +253,9 @@ class RewardConfig(Settings):
     acc_low: float = bounded(0.2, 0.0, 1.0)  # math groups with accuracy outside [acc_low, acc_high] are dropped
     acc_high: float = bounded(0.8, 0.0, 1.0)
     filter_all_equal: bool = True  # drop groups whose rewards are all equal (zero advantage)
+    # how a group's rewards become advantages (reward/group.py ESTIMATORS): grpo = z-score (the reference's),
+    # dr_grpo = minus the group mean, rloo = minus the mean of the other responses
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
 
     def validate(self) -> None:
         super().validate()

@@ -473,7 +473,7 @@ class RLJob:
         r = self.cfg.reward
         band = (r.acc_low, r.acc_high) if self.cfg.dataset.data_type != "code" else None
         result = group_advantages([ScoredSample(t.sample_id, t.group_id, t.score, t.correct) for t in trajs],
-                                  acc_band=band, drop_all_equal=r.filter_all_equal)
+                                  acc_band=band, drop_all_equal=r.filter_all_equal, estimator=r.advantage)
         s = result.summary
         return result.advantages, {"kept": s["kept"], "dropped": s["dropped"], "dropped_by": s["dropped_by_reason"]}
 

@@ -1,9 +1,17 @@
 """Group-normalised rewards (Gen-Verse/dLLM-RL reward/rl_reward.py, rl_code_reward.py), keyed by sample id so nothing
 can shift (the reference's trainer could shift them).
 
-Every sample carries its own ``sample_id`` and its prompt's ``group_id``. Advantages are per-group z-scores
-with the population std (std 0 -> all zeros). Filters drop whole groups (accuracy band, all-equal scores) and
-record why. Dropping a sample later (``GroupResult.drop``) removes it without renormalising anybody else.
+Every sample carries its own ``sample_id`` and its prompt's ``group_id``. Advantages come from a named estimator
+(``ESTIMATORS``, chosen by ``reward.advantage``):
+
+* ``grpo``: per-group z-scores with the population std (GRPO, arXiv 2402.03300; the reference's; std 0 -> zeros);
+* ``dr_grpo``: the reward minus the group mean, no std division (Dr. GRPO, arXiv 2503.20783: the std rescales
+  easy and hard prompts unequally);
+* ``rloo``: the reward minus the mean of the group's other rewards (REINFORCE leave-one-out, arXiv 2402.14740),
+  i.e. n / (n - 1) times the centred reward.
+
+Filters drop whole groups (accuracy band, all-equal scores) and record why. Dropping a sample later
+(``GroupResult.drop``) removes it without renormalising anybody else.
 """
 
 from __future__ import annotations
@@ -99,6 +107,25 @@ def _zscores(scores: list[float]) -> tuple[list[float], bool]:
     return [(x - mean) / std for x in scores], False
 
 
+def _centred(scores: list[float]) -> tuple[list[float], bool]:
+    """Rewards minus the group mean (Dr. GRPO)."""
+    mean = sum(scores) / len(scores)
+    constant = max(scores) - min(scores) < STD_EPS
+    return ([0.0] * len(scores) if constant else [x - mean for x in scores]), constant
+
+
+def _leave_one_out(scores: list[float]) -> tuple[list[float], bool]:
+    """Each reward minus the mean of the others (RLOO); a group of one has no baseline: zero."""
+    n, total = len(scores), sum(scores)
+    constant = max(scores) - min(scores) < STD_EPS
+    if constant or n < 2:
+        return [0.0] * n, True
+    return [x - (total - x) / (n - 1) for x in scores], False
+
+
+ESTIMATORS = {"grpo": _zscores, "dr_grpo": _centred, "rloo": _leave_one_out}
+
+
 def _accuracy(group: list[ScoredSample]) -> float:
     """Fraction correct: the ``correct`` flags when given, else the mean score (scores in [0, 1])."""
     if all(s.correct is not None for s in group):
@@ -120,18 +147,22 @@ def group_advantages(
     records: Iterable[ScoredSample | Mapping],
     acc_band: tuple[float, float] | None = (0.2, 0.8),
     drop_all_equal: bool = True,
+    estimator: str = "grpo",
 ) -> GroupResult:
-    """Per-group z-scored advantages; groups outside ``acc_band`` (inclusive) or constant are dropped.
+    """Per-group advantages from ``estimator`` (``ESTIMATORS``); groups outside ``acc_band`` (inclusive) or
+    constant are dropped.
 
-    Defaults follow the reference math reward (keep 0.2 <= accuracy <= 0.8). ``acc_band=None`` disables
+    Defaults follow the reference math reward (keep 0.2 <= accuracy <= 0.8, z-scores). ``acc_band=None`` disables
     the band; ``drop_all_equal`` drops groups whose advantages would all be zero.
     """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}")
     samples, groups = _group(records)
     advantages: dict[str, float] = {}
     dropped: dict[str, str] = {}
     accuracy: dict[str, float] = {}
     for gid, group in groups.items():
-        z, constant = _zscores([s.score for s in group])
+        z, constant = ESTIMATORS[estimator]([s.score for s in group])
         accuracy[gid] = _accuracy(group)
         reason = _drop_reason(accuracy[gid], constant, acc_band, drop_all_equal)
         for s, adv in zip(group, z):

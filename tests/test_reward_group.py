@@ -110,3 +110,48 @@ def test_code_rewards_fraction_and_count():
     assert code_score(3, 4) == 0.75 and code_score(3, 4, "count") == 3.0 and code_score(0, 0) == 0.0
     with pytest.raises(ValueError):
         code_score(1, 2, "bogus")
+
+
+def test_dr_grpo_and_rloo_advantages_by_hand():
+    recs = records("a", [1, 0, 0, 1]) + records("c", [1, 0, 0, 0, 0]) + records("b", [1, 1, 1])
+    dr = group_advantages(recs, acc_band=None, estimator="dr_grpo")
+    # a: mean 0.5 -> +-0.5 (no std division); c: mean 0.2 -> 0.8, -0.2
+    assert dr.advantages == pytest.approx({"a0": 0.5, "a1": -0.5, "a2": -0.5, "a3": 0.5, "c0": 0.8, "c1": -0.2,
+                                           "c2": -0.2, "c3": -0.2, "c4": -0.2})
+    rloo = group_advantages(recs, acc_band=None, estimator="rloo")
+    # a0: 1 - mean(0, 0, 1) = 2/3; a1: 0 - mean(1, 0, 1) = -2/3; c0: 1 - 0 = 1; c1: 0 - mean(1, 0, 0, 0) = -1/4
+    assert rloo.advantages == pytest.approx({"a0": 2 / 3, "a1": -2 / 3, "a2": -2 / 3, "a3": 2 / 3, "c0": 1.0,
+                                             "c1": -0.25, "c2": -0.25, "c3": -0.25, "c4": -0.25})
+    assert {dr.dropped[f"b{i}"] for i in range(3)} == {"all_equal"} == {rloo.dropped[f"b{i}"] for i in range(3)}
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; expected one of grpo, dr_grpo, rloo"):
+        group_advantages(recs, estimator="ppo")
+
+
+def test_the_rl_loop_uses_the_configured_estimator(tmp_path, demo_tokenizer, monkeypatch):
+    import json
+
+    from core.config import load_config
+    from jobs.rl import run_rl
+    from models.tiny import save_tiny_checkpoint
+    from tests import rl_harness
+    from tests.test_rl import demo_args
+
+    rl_harness.install(patch=monkeypatch.setattr)
+    model = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    run_rl(load_config(demo_args(tmp_path, model, **{"experiment.total_step": 1, "reward.advantage": "rloo",
+                                                     "reward.acc_low": 0.0, "reward.acc_high": 1.0}), "rl"),
+           progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
+    groups: dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    checked = 0
+    for group in groups.values():
+        scores = [r["score"] for r in group]
+        if max(scores) == min(scores):
+            continue
+        for r in group:  # the advantage stored with each rollout is its leave-one-out baseline-subtracted score
+            others = (sum(scores) - r["score"]) / (len(scores) - 1)
+            assert r["meta"]["advantage"] == pytest.approx(r["score"] - others)
+            checked += 1
+    assert checked > 0
