@@ -256,6 +256,10 @@ class RewardConfig(Settings):
     # how a group's rewards become advantages (reward/group.py ESTIMATORS): grpo = z-score (the reference's),
     # dr_grpo = minus the group mean, rloo = minus the mean of the other responses
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    # DAPO's overlong shaping: responses longer than rollout.max_tokens - overlong_buffer lose up to
+    # overlong_penalty reward, linearly (0 = off, the reference's)
+    overlong_buffer: int = bounded(0, 0)
+    overlong_penalty: float = bounded(1.0, 0.0)
 
     def validate(self) -> None:
         super().validate()
@@ -374,6 +378,9 @@ class RLConfig(Settings):
         check_builtin_type(self.dataset.train_dataset, self.dataset.data_type, "dataset.data_type",
                            "dataset.train_dataset")
         check_block_sizes(self.model, {"rollout": self.rollout, "evaluation": self.evaluation})
+        if self.reward.overlong_buffer > self.rollout.max_tokens:
+            raise SettingError("reward.overlong_buffer", f"reward.overlong_buffer ({self.reward.overlong_buffer}) "
+                               f"exceeds rollout.max_tokens ({self.rollout.max_tokens})")
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
         if self.model.process_reward_model:

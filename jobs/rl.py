@@ -64,7 +64,7 @@ from jobs.trackers import start_trackers
 from models.lora import load_policy, wrapped_model
 from models.registry import load_model
 from models.value import load_value_model, value_model_from_policy
-from reward.group import ScoredSample, group_advantages
+from reward.group import ScoredSample, group_advantages, overlong_penalty
 from sample.trajectory import Trajectory, write_jsonl
 from train.accelerator import build_accelerator, gather_objects
 from train.policy_trainer import PolicyTrainer
@@ -472,10 +472,16 @@ class RLJob:
     def _advantages(self, trajs: list[Trajectory]) -> tuple[dict[str, float], dict]:
         r = self.cfg.reward
         band = (r.acc_low, r.acc_high) if self.cfg.dataset.data_type != "code" else None
-        result = group_advantages([ScoredSample(t.sample_id, t.group_id, t.score, t.correct) for t in trajs],
+        shaping = [overlong_penalty(len(t.response_ids), self.cfg.rollout.max_tokens, r.overlong_buffer,
+                                    r.overlong_penalty) for t in trajs]
+        result = group_advantages([ScoredSample(t.sample_id, t.group_id, t.score + p, t.correct)
+                                   for t, p in zip(trajs, shaping, strict=True)],
                                   acc_band=band, drop_all_equal=r.filter_all_equal, estimator=r.advantage)
         s = result.summary
-        return result.advantages, {"kept": s["kept"], "dropped": s["dropped"], "dropped_by": s["dropped_by_reason"]}
+        out = {"kept": s["kept"], "dropped": s["dropped"], "dropped_by": s["dropped_by_reason"]}
+        if r.overlong_buffer:
+            out["overlong_penalty_mean"] = sum(shaping) / max(len(shaping), 1)
+        return result.advantages, out
 
     def _evaluate(self, out: Path) -> dict:
         cfg = self.cfg

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["ScoredSample", "GroupResult", "group_advantages", "code_score", "code_group_advantages"]
+__all__ = ["ScoredSample", "GroupResult", "group_advantages", "code_score", "code_group_advantages", "overlong_penalty"]
 
 STD_EPS = 1e-8
 
@@ -195,3 +195,11 @@ def code_group_advantages(records: Iterable[Mapping], mode: str = "fraction") ->
         for r in records
     ]
     return group_advantages(scored, acc_band=None, drop_all_equal=True)
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476): 0 up to ``max_tokens - buffer`` tokens, then falling
+    linearly to ``-factor`` at ``max_tokens`` (and ``-factor`` beyond); ``buffer`` 0 turns it off."""
+    if buffer <= 0 or length <= max_tokens - buffer:
+        return 0.0
+    return -factor * min(1.0, (length - (max_tokens - buffer)) / buffer)

@@ -155,3 +155,41 @@ def test_the_rl_loop_uses_the_configured_estimator(tmp_path, demo_tokenizer, mon
             assert r["meta"]["advantage"] == pytest.approx(r["score"] - others)
             checked += 1
     assert checked > 0
+
+
+def test_overlong_penalty_by_hand():
+    from reward.group import overlong_penalty
+
+    # max 100 tokens, buffer 20: free up to 80, then linear down to -factor at 100
+    assert [overlong_penalty(n, 100, 20, 0.5) for n in (10, 80, 81, 90, 100, 120)] == pytest.approx(
+        [0.0, 0.0, -0.025, -0.25, -0.5, -0.5])
+    assert overlong_penalty(100, 100, 0) == 0.0  # off
+
+
+def test_overlong_shaping_in_the_rl_loop_and_its_bounds(tmp_path, demo_tokenizer, monkeypatch):
+    import json
+
+    from core.config import ConfigError, load_config
+    from jobs.rl import run_rl
+    from models.tiny import save_tiny_checkpoint
+    from tests import rl_harness
+    from tests.test_rl import demo_args
+
+    rl_harness.install(patch=monkeypatch.setattr)
+    model = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    over = {"experiment.total_step": 1, "reward.advantage": "dr_grpo", "reward.acc_low": 0.0, "reward.acc_high": 1.0,
+            "reward.overlong_buffer": 8, "reward.overlong_penalty": 0.5, "rollout.max_token": 16,
+            "reward.filter_all_equal": "false"}
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer \(32\) exceeds rollout.max_tokens \(16\)"):
+        load_config(demo_args(tmp_path, model, **{**over, "reward.overlong_buffer": 32}), "rl")
+    history = run_rl(load_config(demo_args(tmp_path, model, **over), "rl"), progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
+    shaped = {r["sample_id"]: r["score"] - 0.5 * min(1.0, max(0, len(r["response_ids"]) - 8) / 8) for r in rows}
+    assert any(shaped[r["sample_id"]] != r["score"] for r in rows)  # some responses ran into the buffer
+    for r in rows:  # dr_grpo: shaped reward minus the group's mean shaped reward
+        group = [shaped[q["sample_id"]] for q in rows if q["group_id"] == r["group_id"]]
+        want = shaped[r["sample_id"]] - sum(group) / len(group)
+        assert r["meta"]["advantage"] == pytest.approx(want, abs=1e-9) or (r["meta"]["advantage"] == 0.0 and max(
+            group) - min(group) < 1e-8)
+    assert history[-1]["overlong_penalty_mean"] == pytest.approx(sum(shaped[k] - r["score"] for k, r in zip(
+        shaped, rows, strict=True)) / len(rows))
