@@ -187,6 +187,9 @@ class JobRollout(SamplingParams):
 class RLRollout(JobRollout):
     num_task_per_step: int = bounded(64, 1)  # tasks drawn per RL step
     num_response_per_task: int = bounded(8, 1)  # the group size (>= 2, see validate)
+    # DAPO's dynamic sampling (arXiv 2503.14476): while fewer than num_task_per_step groups survive the reward
+    # filters, draw that many new tasks again, up to this many extra rounds per step (0 = off, the reference's)
+    dynamic_sampling_rounds: int = bounded(0, 0)
 
     def validate(self) -> None:
         super().validate()

@@ -162,10 +162,13 @@ class RunDir:
 # ------------------------------------------------------------------------------------------ step
 
 
-def draw_tasks(n_tasks: int, k: int, seed: int, step: int) -> list[int]:
-    """The task indices of RL step ``step``: ``k`` distinct tasks (all of them if fewer), seeded by (seed, step)."""
-    rng = random.Random(f"rl-tasks-{seed}-{step}")
-    return sorted(rng.sample(range(n_tasks), min(k, n_tasks)))
+def draw_tasks(n_tasks: int, k: int, seed: int, step: int, round_: int = 0,
+               exclude: frozenset[int] = frozenset()) -> list[int]:
+    """The task indices of RL step ``step``: ``k`` distinct tasks (all of them if fewer), seeded by (seed, step);
+    ``round_`` > 0: a dynamic-sampling redraw among the tasks not in ``exclude``."""
+    rng = random.Random(f"rl-tasks-{seed}-{step}" + (f"-round{round_}" if round_ else ""))
+    pool = [i for i in range(n_tasks) if i not in exclude] if exclude else range(n_tasks)
+    return sorted(rng.sample(pool, min(k, len(pool))))
 
 
 def sampling_weights(trainer: PolicyTrainer):
@@ -393,6 +396,8 @@ class RLJob:
         self.step, self.timers = step, {}
         trajs, stats = self._timed("sample", lambda: self._sample(step))
         advantages, summary = self._timed("advantage", lambda: self._advantages(trajs))
+        if cfg.rollout.dynamic_sampling_rounds:
+            trajs, stats, advantages, summary = self._fill_batch(step, trajs, stats, advantages, summary)
         kept = [t for t in trajs if t.sample_id in advantages]
         train_metrics: list[dict] = []
         value_metrics: dict = {}
@@ -454,14 +459,47 @@ class RLJob:
         self.timers[name] = self.timers.get(name, 0.0) + time.perf_counter() - start
         return out
 
-    def _sample(self, step: int) -> tuple[list[Trajectory], dict]:
+    def _fill_batch(self, step: int, trajs: list[Trajectory], stats: dict, advantages: dict, summary: dict):
+        """DAPO's dynamic sampling: redraw new tasks while fewer than ``num_task_per_step`` groups were kept; the
+        first groups kept in each redraw (task order) fill the batch, the rest are recorded as dropped."""
+        cfg, want = self.cfg, self.cfg.rollout.num_task_per_step
+        kept_groups = {t.group_id for t in trajs if t.sample_id in advantages}
+        dropped_by = dict(summary["dropped_by"])
+        rounds = 0
+        while len(kept_groups) < want and rounds < cfg.rollout.dynamic_sampling_rounds:
+            rounds += 1
+            used = {t.task_index for t in trajs}
+            exclude = frozenset(i for i, task in enumerate(self.drawable) if task in used)
+            if len(exclude) == len(self.drawable):
+                break  # every task was drawn this step
+            more, more_stats = self._sample(step, rounds, exclude)
+            more_adv, more_summary = self._advantages(more)
+            for reason, n in more_summary["dropped_by"].items():
+                dropped_by[reason] = dropped_by.get(reason, 0) + n
+            for gid in sorted({t.group_id for t in more if t.sample_id in more_adv}, key=int):
+                ids = [t.sample_id for t in more if t.group_id == gid]
+                if len(kept_groups) < want:
+                    kept_groups.add(gid)
+                    advantages.update({sid: more_adv[sid] for sid in ids})
+                else:
+                    dropped_by["batch_full"] = dropped_by.get("batch_full", 0) + len(ids)
+            trajs = trajs + more
+            stats = _merged_stats(stats, more_stats)
+        kept = sum(t.sample_id in advantages for t in trajs)
+        summary = {**summary, "kept": kept, "dropped": len(trajs) - kept, "dropped_by": dropped_by,
+                   "resample_rounds": rounds}
+        return trajs, stats, advantages, summary
+
+    def _sample(self, step: int, round_: int = 0,
+                exclude: frozenset[int] = frozenset()) -> tuple[list[Trajectory], dict]:
         cfg = self.cfg
         chosen = [self.drawable[i] for i in draw_tasks(len(self.drawable), cfg.rollout.num_task_per_step,
-                                                        cfg.experiment.seed, step)]
+                                                        cfg.experiment.seed, step, round_, exclude)]
         subset = [self.tasks[i] for i in chosen]
         with sampling_weights(self.trainer):
             trajs, stats = sample_scored(self.adapter, subset, cfg.dataset.data_type, cfg.rollout, cfg.execute,
-                                         seed=cfg.experiment.seed * 100_003 + step, accelerator=self.acc,
+                                         seed=cfg.experiment.seed * 100_003 + step + 7919 * round_,
+                                         accelerator=self.acc,
                                          progress=self.progress, max_tokens=cfg.rollout.max_tokens,
                                          truncation_margin=cfg.reward.truncation_margin)
         for t in trajs:  # ids name the dataset row, not the position in this step's subset
@@ -584,6 +622,14 @@ def describe_sandbox(cfg: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------ metrics
+
+
+def _merged_stats(a: dict, b: dict) -> dict:
+    """Sampling stats of two runs together."""
+    out = {k: a[k] + b[k] for k in ("forwards", "denoise_forwards", "generated_tokens", "wall_time")}
+    out["tokens_per_second"] = out["generated_tokens"] / out["wall_time"] if out["wall_time"] > 0 else 0.0
+    out["tokens_per_forward"] = out["generated_tokens"] / out["forwards"] if out["forwards"] else 0.0
+    return out
 
 
 def _rollout_metrics(trajs: list[Trajectory], stats: dict) -> dict:

@@ -193,3 +193,30 @@ def test_overlong_shaping_in_the_rl_loop_and_its_bounds(tmp_path, demo_tokenizer
             group) - min(group) < 1e-8)
     assert history[-1]["overlong_penalty_mean"] == pytest.approx(sum(shaped[k] - r["score"] for k, r in zip(
         shaped, rows, strict=True)) / len(rows))
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_train(tmp_path, demo_tokenizer, monkeypatch):
+    import json
+
+    from core.config import load_config
+    from jobs.rl import run_rl
+    from models.tiny import save_tiny_checkpoint
+    from tests import rl_harness
+    from tests.test_rl import demo_args
+
+    rl_harness.install(patch=monkeypatch.setattr)  # reward: parity of the response ids (groups of 2 often tie)
+    model = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    over = {"experiment.total_step": 1, "rollout.num_task_per_step": 4, "rollout.num_response_per_task": 2,
+            "reward.acc_low": 0.0, "reward.acc_high": 1.0, "reward.filter_all_equal": "true"}
+    plain = run_rl(load_config(demo_args(tmp_path / "plain", model, **over), "rl"), progress=False)[-1]
+    filled = run_rl(load_config(demo_args(tmp_path / "dyn", model, **over, **{"rollout.dynamic_sampling_rounds": 4}),
+                                "rl"), progress=False)[-1]
+    rows = [json.loads(x) for x in (tmp_path / "dyn" / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
+    first = [json.loads(x) for x in (tmp_path / "plain" / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["sample_id"] for r in rows[:len(first)]] == [r["sample_id"] for r in first]  # the same first draw
+    assert len({r["task_index"] for r in rows}) == len(rows) // 2  # redraws bring new tasks only
+    trained = {r["group_id"] for r in rows if r["meta"]["advantage"] is not None}
+    assert all(len({r["score"] for r in rows if r["group_id"] == g}) == 2 for g in trained)  # no tied group trains
+    assert filled["kept"] == 2 * len(trained) >= plain["kept"]
+    assert len(trained) == 4 or filled["resample_rounds"] == 4  # full, or out of redraws
+    assert filled["resample_rounds"] >= (1 if plain["kept"] < 8 else 0)
