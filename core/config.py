@@ -30,7 +30,7 @@ from models.lora import LoraSettings
 from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
-from train.algorithms import value_model_refusal
+from train.algorithms import advantage_refusal, value_model_refusal
 from train.settings import (
     LRSchedulerConfig,
     OptimizerConfig,
@@ -386,6 +386,8 @@ class RLConfig(Settings):
                                f"exceeds rollout.max_tokens ({self.rollout.max_tokens})")
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
+        if advantage_refusal(self.training.method, self.reward.advantage):
+            raise SettingError("reward.advantage", advantage_refusal(self.training.method, self.reward.advantage))
         if self.model.process_reward_model:
             if not self.model.value_base_model:
                 raise SettingError("model.process_reward_model", "the process reward needs the value model (set "

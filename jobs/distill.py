@@ -65,14 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-n", type=int, default=256, help="held-out questions for the AR baseline (0: none)")
     ap.add_argument("--eval-seed", type=int, default=1, help="the held-out questions' seed")
     args = ap.parse_args(argv)
-    from core.errors import UserError
+    from core.entry import run_job
+
+    return run_job(lambda: _distill(args))  # a user error: one line, exit status 2
+
+
+def _distill(args: argparse.Namespace) -> None:
     from models.a2d import load_ar
 
-    try:
-        model, tokenizer = load_ar(args.source, args.gguf_file)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    model, tokenizer = load_ar(args.source, args.gguf_file)
     rows = scored_rows(model, tokenizer, args.n, args.seed, args.difficulty, args.max_new_tokens)
     kept = rows if args.all else [r for r in rows if r["correct"]]
     out = Path(args.out)
@@ -83,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         held = scored_rows(model, tokenizer, args.eval_n, args.eval_seed, args.difficulty, args.max_new_tokens)
         print(f"AR greedy held-out accuracy: {sum(r['correct'] for r in held) / len(held):.3f} "
               f"({len(held)} questions, difficulty {args.difficulty}, seed {args.eval_seed})")
-    return 0
 
 
 if __name__ == "__main__":

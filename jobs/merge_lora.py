@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,16 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved weights (default: the base checkpoint's)")
     args = parser.parse_args(argv)
-    from core.errors import UserError
+    from core.entry import run_job
     from models.lora import merge_adapter_checkpoint
 
-    try:
+    def job() -> None:
         out = merge_adapter_checkpoint(args.base, args.adapter, args.out, args.model_base, args.dtype)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"merged checkpoint: {out}")
-    return 0
+        print(f"merged checkpoint: {out}")
+
+    return run_job(job)  # a user error: one line, exit status 2
 
 
 if __name__ == "__main__":

@@ -182,13 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mask-token", default="<|mask|>", help="the new mask token's text")
     ap.add_argument("--gguf-file", default=None, help="a GGUF file inside --source (read by transformers)")
     args = ap.parse_args(argv)
-    try:
+    from core.entry import run_job
+
+    def job() -> None:
         out = convert(args.source, args.to, args.out, args.block_size, args.mask_token, args.gguf_file)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} ({args.to}; model_base: {args.to})")
-    return 0
+        print(f"wrote {out} ({args.to}; model_base: {args.to})")
+
+    return run_job(job)  # a user error: one line, exit status 2
 
 
 if __name__ == "__main__":

@@ -220,3 +220,20 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_train(tmp_path, demo_
     assert filled["kept"] == 2 * len(trained) >= plain["kept"]
     assert len(trained) == 4 or filled["resample_rounds"] == 4  # full, or out of redraws
     assert filled["resample_rounds"] >= (1 if plain["kept"] < 8 else 0)
+
+
+def test_an_advantage_that_contradicts_the_algorithm_is_refused_at_load(monkeypatch):
+    import dataclasses
+
+    from core.config import load_config
+    from core.loader import ConfigError
+    from train import algorithms
+
+    # no registered algorithm fixes its baseline yet: one that does (A = r - mean, as diffu-GRPO) is simulated
+    entry = dataclasses.replace(algorithms.REGISTRY["coupled"], advantages=("dr_grpo", "rloo"))
+    monkeypatch.setitem(algorithms.REGISTRY, "coupled", entry)
+    with pytest.raises(ConfigError, match="reward.advantage 'grpo' contradicts training.method 'coupled', whose "
+                                          "estimator uses dr_grpo or rloo"):
+        load_config(["config=configs/rl_trado.yaml", "training.method=coupled"], "rl")
+    cfg = load_config(["config=configs/rl_trado.yaml", "training.method=coupled", "reward.advantage=dr_grpo"], "rl")
+    assert cfg.reward.advantage == "dr_grpo"

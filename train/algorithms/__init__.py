@@ -23,6 +23,7 @@ class Entry:
     aliases: tuple[str, ...] = ()  # other accepted spellings of ``training.method`` (case-insensitive)
     value_model: bool = False  # can train with the value model (model.value_base_model)
     display: str = ""  # the name error messages show (default: the registry name)
+    advantages: tuple[str, ...] = ()  # the reward.advantage choices its paper's estimator allows (empty: any)
 
 
 REGISTRY: dict[str, Entry] = {
@@ -53,6 +54,15 @@ def value_model_refusal(method: str) -> str:
         return ""
     return (f"training.method {method!r} cannot train with the value model (model.value_base_model): a token's value "
             "is read at the state before its decoding step, which only TraceRL's rows reproduce")
+
+
+def advantage_refusal(method: str, advantage: str) -> str:
+    """One line saying why ``method`` refuses the group baseline ``advantage`` ("" when it accepts it)."""
+    allowed = REGISTRY[method].advantages
+    if not allowed or advantage in allowed:
+        return ""
+    return (f"reward.advantage {advantage!r} contradicts training.method {method!r}, whose estimator uses "
+            f"{' or '.join(allowed)}")
 
 
 def algorithm(method: str) -> Any:
