@@ -1,0 +1,66 @@
+"""Real checkpoint folders load as they are: remote-code tokenizers (auto_map) load without prompting or running code.
+
+The public Dream-v0-Instruct-7B tokenizer_config.json names ``DreamTokenizer`` through ``auto_map``; transformers'
+auto path would ask "Do you wish to run the custom code? [y/N]" and then refuse. ``load_tokenizer`` loads the
+equivalent standard tokenizer from the same files instead (identical ids), or fails at once with one line.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+
+from models.registry import ModelLoadError, load_tokenizer
+from models.tokenizers import build_demo_tokenizer
+
+DREAM_AUTO_MAP = {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]}
+TEXT = "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n<think>7</think><|MASK|>"
+
+
+@pytest.fixture(autouse=True)
+def no_prompt(monkeypatch):
+    def refuse(*_a, **_k):
+        raise AssertionError("the loader asked an interactive question")
+    monkeypatch.setattr(builtins, "input", refuse)
+
+
+def _remote_code_folder(tmp_path, keep_tokenizer_json: bool = True):
+    """The demo tokenizer's folder, its tokenizer_config rewritten as Dream's: a custom class through auto_map."""
+    folder = tmp_path / "tok"
+    reference = build_demo_tokenizer(str(folder))
+    cfg_file = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.update(tokenizer_class="DreamTokenizer", auto_map=DREAM_AUTO_MAP)
+    cfg_file.write_text(json.dumps(cfg))
+    # The custom module would fail loudly if anything imported it.
+    (folder / "tokenization_dream.py").write_text("raise RuntimeError('remote code was executed')\n")
+    if not keep_tokenizer_json:
+        (folder / "tokenizer.json").unlink()
+    return folder, reference
+
+
+def test_remote_code_tokenizer_loads_as_the_standard_one_with_identical_ids(tmp_path):
+    folder, reference = _remote_code_folder(tmp_path)
+    tok = load_tokenizer(folder)
+    assert type(tok).__module__.startswith("transformers.")
+    assert tok(TEXT)["input_ids"] == reference(TEXT)["input_ids"]
+    assert len(tok) == len(reference) == 512
+    assert (tok.mask_token, tok.mask_token_id) == ("<|MASK|>", 509)
+    assert (tok.eos_token_id, tok.pad_token_id) == (506, 506)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_remote_code_tokenizer_without_standard_files_fails_in_one_line(tmp_path):
+    folder, _ = _remote_code_folder(tmp_path, keep_tokenizer_json=False)
+    with pytest.raises(ModelLoadError, match="'DreamTokenizer' is remote code") as err:
+        load_tokenizer(folder)
+    assert "\n" not in str(err.value)
+
+
+def test_plain_folder_still_loads_through_the_auto_path(tmp_path):
+    reference = build_demo_tokenizer(str(tmp_path / "plain"))
+    assert load_tokenizer(tmp_path / "plain")(TEXT)["input_ids"] == reference(TEXT)["input_ids"]
