@@ -287,8 +287,8 @@ def _standard_tokenizer(path: Path, remote: str):
 
     if (path / "tokenizer.json").is_file():
         return transformers.PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    standard = _STANDARD_FOR_REMOTE.get(remote)
-    if standard and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+    standard = _STANDARD_FOR_REMOTE.get(remote, remote)  # SDAR's auto_map names a copy of Qwen2Tokenizer
+    if hasattr(transformers, standard) and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
         return getattr(transformers, standard).from_pretrained(str(path), local_files_only=True)
     raise ModelLoadError(f"{path}: the tokenizer class {remote!r} is remote code (auto_map), which is never run, and "
                          "the folder has no tokenizer.json (or vocab.json + merges.txt of a known equivalent)")

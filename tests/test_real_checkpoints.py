@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import builtins
 import json
+from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoConfig
 
-from models.registry import ModelLoadError, load_tokenizer
+from models.registry import ModelLoadError, family_spec, load_tokenizer
 from models.tokenizers import build_demo_tokenizer
 
 DREAM_AUTO_MAP = {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]}
@@ -64,3 +67,40 @@ def test_remote_code_tokenizer_without_standard_files_fails_in_one_line(tmp_path
 def test_plain_folder_still_loads_through_the_auto_path(tmp_path):
     reference = build_demo_tokenizer(str(tmp_path / "plain"))
     assert load_tokenizer(tmp_path / "plain")(TEXT)["input_ids"] == reference(TEXT)["input_ids"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public checkpoints' metadata (tests/fixtures/checkpoints/*, sources in its README.md)
+# ----------------------------------------------------------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
+
+
+def _meta_model(folder: Path, model_base: str):
+    spec = family_spec(model_base)
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    with torch.device("meta"):
+        return config, spec.model_class(config)
+
+
+@pytest.mark.parametrize("name,layers,hidden", [("SDAR-4B-Chat", 36, 2560), ("SDAR-8B-Chat", 36, 4096)])
+def test_sdar_config_and_parameter_names_match_the_checkpoint(name, layers, hidden):
+    folder = FIXTURES / name
+    config, model = _meta_model(folder, "sdar")
+    assert (config.num_hidden_layers, config.hidden_size, config.mask_token_id) == (layers, hidden, 151669)
+    assert config.tie_word_embeddings is False
+    keys = json.loads((folder / "weight_map_keys.json").read_text())
+    assert sorted(n for n, _ in model.named_parameters()) == keys
+
+
+@pytest.mark.parametrize("name", ["SDAR-4B-Chat", "SDAR-8B-Chat"])
+def test_sdar_tokenizer_config_ids_and_template(name):
+    cfg = json.loads((FIXTURES / name / "tokenizer_config.json").read_text())
+    ids = {t["content"]: int(i) for i, t in cfg["added_tokens_decoder"].items()}
+    assert (ids[cfg["mask_token"]], ids[cfg["eos_token"]], ids[cfg["pad_token"]]) == (151669, 151643, 151643)
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    assert (config["mask_token_id"], config["eos_token_id"]) == (151669, 151643)
+    # Our offline rebuild of the SDAR tokenizer has exactly the checkpoint's added tokens at the same ids.
+    from models.tokenizers import _FAMILIES, QWEN_BASE_VOCAB
+    ours = {c: QWEN_BASE_VOCAB + i for i, (c, _) in enumerate(_FAMILIES["sdar"][0])}
+    assert ours == ids
