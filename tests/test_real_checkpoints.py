@@ -104,3 +104,50 @@ def test_sdar_tokenizer_config_ids_and_template(name):
     from models.tokenizers import _FAMILIES, QWEN_BASE_VOCAB
     ours = {c: QWEN_BASE_VOCAB + i for i, (c, _) in enumerate(_FAMILIES["sdar"][0])}
     assert ours == ids
+
+
+@pytest.mark.parametrize("name,model_base,layers,width", [
+    ("Dream-v0-Instruct-7B", "dream", 28, 3584), ("LLaDA-8B-Instruct", "llada", 32, 4096)])
+def test_dream_llada_config_and_parameter_names_match_the_checkpoint(name, model_base, layers, width):
+    folder = FIXTURES / name
+    config, model = _meta_model(folder, model_base)
+    got = (getattr(config, "num_hidden_layers", None) or config.n_layers,
+           getattr(config, "hidden_size", None) or config.d_model)
+    assert got == (layers, width)
+    keys = json.loads((folder / "weight_map_keys.json").read_text())
+    assert sorted(n for n, _ in model.named_parameters()) == keys
+
+
+def test_dream_tokenizer_config_ids_match_our_offline_rebuild():
+    cfg = json.loads((FIXTURES / "Dream-v0-Instruct-7B" / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "DreamTokenizer" and "auto_map" in cfg  # the remote-code case above
+    ids = {t["content"]: int(i) for i, t in cfg["added_tokens_decoder"].items()}
+    assert (ids[cfg["mask_token"]], ids[cfg["eos_token"]], ids[cfg["pad_token"]]) == (151666, 151643, 151643)
+    config = json.loads((FIXTURES / "Dream-v0-Instruct-7B" / "config.json").read_text())
+    assert (config["mask_token_id"], config["pad_token_id"]) == (151666, 151643)
+    from models.tokenizers import _FAMILIES, QWEN_BASE_VOCAB
+    ours = {c: QWEN_BASE_VOCAB + i for i, (c, _) in enumerate(_FAMILIES["dream"][0])}
+    assert ours == ids
+
+
+def test_llada_tokenizer_config_special_ids():
+    cfg = json.loads((FIXTURES / "LLaDA-8B-Instruct" / "tokenizer_config.json").read_text())
+    ids = {t["content"]: int(i) for i, t in cfg["added_tokens_decoder"].items()}
+    config = json.loads((FIXTURES / "LLaDA-8B-Instruct" / "config.json").read_text())
+    assert ids[cfg["eos_token"]] == ids[cfg["pad_token"]] == config["eos_token_id"] == 126081
+    assert ids["<|mdm_mask|>"] == config["mask_token_id"] == 126336
+    assert ids["<|eot_id|>"] == 126348  # the end-of-turn token our llada adapter stops on
+
+
+@pytest.mark.parametrize("name,family", [("SDAR-4B-Chat", "sdar"), ("SDAR-8B-Chat", "sdar"),
+                                         ("SDAR-1dot7B-Chat", "sdar"), ("Dream-v0-Instruct-7B", "dream")])
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "What is 3 + 4?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"}]])
+def test_our_chat_template_renders_prompts_as_the_checkpoint_does(name, family, messages):
+    from models.tokenizers import _FAMILIES
+    real = json.loads((FIXTURES / name / "tokenizer_config.json").read_text())["chat_template"]
+    tok = build_demo_tokenizer()
+    render = lambda template: tok.apply_chat_template(messages, chat_template=template, tokenize=False,  # noqa: E731
+                                                      add_generation_prompt=True)
+    assert render(_FAMILIES[family][2]) == render(real)
