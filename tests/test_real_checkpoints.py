@@ -151,3 +151,24 @@ def test_our_chat_template_renders_prompts_as_the_checkpoint_does(name, family, 
     render = lambda template: tok.apply_chat_template(messages, chat_template=template, tokenize=False,  # noqa: E731
                                                       add_generation_prompt=True)
     assert render(_FAMILIES[family][2]) == render(real)
+
+
+def test_real_dream_tokenizer_folder_loads_with_the_qwen_ids(tmp_path):
+    """Dream's real tokenizer files (its tokenizer_config, special tokens, added tokens; vocab.json + merges.txt from
+    our offline Qwen2 rebuild, whose ids equal the official ones) load with no custom code and the Qwen ids."""
+    import shutil
+
+    from models.tokenizers import build_qwen_tokenizer
+    qwen = build_qwen_tokenizer("dream", cache_dir=str(tmp_path / "cache"))
+    folder = tmp_path / "dream"
+    folder.mkdir()
+    qwen.backend_tokenizer.model.save(str(folder))  # vocab.json + merges.txt
+    for f in ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
+        shutil.copy(FIXTURES / "Dream-v0-Instruct-7B" / f, folder / f)
+    (folder / "tokenization_dream.py").write_text("raise RuntimeError('remote code was executed')\n")
+    tok = load_tokenizer(folder)
+    assert type(tok).__name__ == "Qwen2Tokenizer"
+    text = "<|im_start|>user\nHello, what is 12 * 7?<|im_end|>\n<|im_start|>assistant\n<|mask|><|mask|>"
+    assert tok(text)["input_ids"] == qwen(text)["input_ids"]
+    assert tok("Hello")["input_ids"] == [9707]
+    assert (tok.mask_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == (151666, 151643, 151643, 151667)
