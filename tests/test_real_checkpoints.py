@@ -79,6 +79,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 def _meta_model(folder: Path, model_base: str):
     spec = family_spec(model_base)
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    assert type(config) is spec.model_class.config_class  # our class reads it, despite the config's auto_map
     with torch.device("meta"):
         return config, spec.model_class(config)
 
