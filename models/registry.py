@@ -259,13 +259,56 @@ def _from_pretrained(model_class: type, path: Path, dtype: torch.dtype, override
         raise ModelLoadError(f"{path}: cannot load the weights ({type(e).__name__}: {first[:300]})") from None
 
 
+# Remote-code tokenizer classes whose files are a standard tokenizer's: Dream's DreamTokenizer is Qwen2's
+# byte-level BPE (vocab.json + merges.txt, Qwen2 split regex) plus the added tokens its tokenizer_config lists.
+_STANDARD_FOR_REMOTE = {"DreamTokenizer": "Qwen2Tokenizer"}
+
+
+def _remote_tokenizer_class(path: Path) -> str | None:
+    """The tokenizer class a folder's tokenizer_config.json names through ``auto_map`` (custom code), else None."""
+    cfg_file = path / "tokenizer_config.json"
+    if not cfg_file.is_file():
+        return None
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg_file}: not a valid JSON tokenizer config ({e})") from None
+    auto = (cfg.get("auto_map") or {}).get("AutoTokenizer") if isinstance(cfg, dict) else None
+    if not auto:
+        return None
+    # auto_map's AutoTokenizer is "module.Class" or a [slow, fast] pair of them.
+    first = next((a for a in (auto if isinstance(auto, list) else [auto]) if a), "")
+    return str(cfg.get("tokenizer_class") or first.rsplit(".", 1)[-1])
+
+
+def _standard_tokenizer(path: Path, remote: str):
+    """The standard tokenizer equivalent to a remote-code one: same files, same ids, no custom code run."""
+    import transformers
+
+    if (path / "tokenizer.json").is_file():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    standard = _STANDARD_FOR_REMOTE.get(remote, remote)  # SDAR's auto_map names a copy of Qwen2Tokenizer
+    if hasattr(transformers, standard) and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        return getattr(transformers, standard).from_pretrained(str(path), local_files_only=True)
+    raise ModelLoadError(f"{path}: the tokenizer class {remote!r} is remote code (auto_map), which is never run, and "
+                         "the folder has no tokenizer.json (or vocab.json + merges.txt of a known equivalent)")
+
+
 def load_tokenizer(path: str | Path):
+    """A local tokenizer folder's tokenizer; remote code (auto_map) is never executed nor prompted for."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer path {str(path)!r} does not exist")
+    remote = _remote_tokenizer_class(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        if remote:
+            return _standard_tokenizer(path, remote)
+        # trust_remote_code=False: transformers raises instead of asking "[y/N]" on a terminal.
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    except ModelLoadError:
+        raise
     except Exception as e:  # noqa: BLE001 - surface a one-line cause
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {first[:300]}") from None

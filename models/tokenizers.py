@@ -217,7 +217,8 @@ _QWEN3_ADDED = _QWEN25_ADDED + (
 # family -> (added tokens in id order, mask token, chat template)
 # TraDo/SDAR: Qwen3 added tokens then <|MASK|> 151669 (JetAstra/SDAR tokenizer_config.json).
 # Dream/DiffuCoder: Qwen2.5 added tokens then <|beginoftext|> 151665 and <|mask|> 151666 (the config's
-# mask_token_id). Assumption, not verified against the checkpoint files: Dream's list has no <think> tokens.
+# mask_token_id); no <think> tokens. Both lists equal the checkpoints' tokenizer_config.json added_tokens_decoder
+# (tests/test_real_checkpoints.py).
 _FAMILIES: dict[str, tuple[tuple[tuple[str, bool], ...], str, str]] = {
     "sdar": (_QWEN3_ADDED + ((SDAR_MASK, True),), SDAR_MASK, CHAT_TEMPLATE),
     "dream": (_QWEN25_ADDED + (("<|beginoftext|>", True), (DREAM_MASK, True)), DREAM_MASK,

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+        # trust_remote_code=False: never run or ask (on a terminal) about a checkpoint's custom tokenizer code.
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         parser.error(f"--tokenizer {tok_dir}: cannot load a tokenizer ({first.strip()})")
