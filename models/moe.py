@@ -43,6 +43,31 @@ def softmax_topk_routing(router_logits: Tensor, top_k: int, normalize: bool) -> 
     return weights, index
 
 
+def sigmoid_group_limited_routing(router_logits: Tensor, expert_bias: Tensor, top_k: int, n_group: int,
+                                  topk_group: int, routed_scaling: float, normalize: bool = True
+                                  ) -> tuple[Tensor, Tensor]:
+    """(weights [T, k] fp32, expert indices [T, k]) of LLaDA2's router (DeepSeek-V3 style).
+
+    Scores are fp32 sigmoids; ``expert_bias`` is added for the choice only. Experts are split into ``n_group``
+    equal groups, a group scores the sum of its two best biased scores, only the ``topk_group`` best groups are
+    eligible, and the top-k eligible experts are chosen. Weights are the unbiased sigmoids of the chosen experts,
+    renormalised over them when ``normalize``, times ``routed_scaling`` (2.5 in LLaDA2.0-mini).
+    """
+    scores = torch.sigmoid(router_logits.float())
+    biased = scores + expert_bias.float()
+    n_tokens, n_experts = biased.shape
+    grouped = biased.view(n_tokens, n_group, n_experts // n_group)
+    group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    best_groups = group_score.topk(topk_group, dim=-1).indices
+    allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
+    eligible = biased.masked_fill(~allowed.repeat_interleave(n_experts // n_group, dim=1), float("-inf"))
+    index = eligible.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, index)
+    if normalize and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling, index
+
+
 def grouped_expert_compute(x: Tensor, weights: Tensor, index: Tensor, experts: nn.ModuleList) -> Tensor:
     """sum_k weights[t, k] * experts[index[t, k]](x[t]) for every token t, each expert run on its own tokens only."""
     n_tokens, top_k = index.shape

@@ -121,3 +121,21 @@ def test_router_aux_loss_only_when_asked(tiny):
     b.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
     loss = b.model.model.router_aux_loss()
     assert loss is not None and 1.0 <= float(loss.detach()) <= 8.0  # E * sum f_e P_e: 1 when balanced, at most E
+
+
+def test_llada2_sigmoid_group_limited_routing_by_hand():
+    from models.moe import sigmoid_group_limited_routing
+
+    # 8 experts in 4 groups of 2; sigmoid scores chosen directly through their logits
+    probs = torch.tensor([[0.9, 0.1, 0.5, 0.45, 0.6, 0.6, 0.2, 0.3]])
+    logits = torch.log(probs / (1 - probs))
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5])  # lifts group 3 (0.2 + 0.8 = 1.0) for choice only
+    # biased group scores (sum of the group's two): g0 1.0, g1 0.95, g2 1.2, g3 1.0; no tie at either cut below:
+    # topk_group=1 keeps g2 only, topk_group=3 keeps g2, g0, g3 and drops g1
+    w, idx = sigmoid_group_limited_routing(logits, bias, top_k=2, n_group=4, topk_group=1, routed_scaling=2.5)
+    assert sorted(idx[0].tolist()) == [4, 5]
+    torch.testing.assert_close(w, torch.tensor([[1.25, 1.25]]), atol=1e-6, rtol=0)
+    w, idx = sigmoid_group_limited_routing(logits, bias, top_k=2, n_group=4, topk_group=3, routed_scaling=2.5)
+    assert idx[0].tolist() == [0, 7]  # biased 0.9 and 0.3 + 0.5 = 0.8 beat 0.6, 0.6
+    # weights from the unbiased sigmoids 0.9 and 0.3: renormalised, times 2.5
+    torch.testing.assert_close(w, torch.tensor([[0.9 / 1.2 * 2.5, 0.3 / 1.2 * 2.5]]), atol=1e-6, rtol=0)
