@@ -16,10 +16,11 @@ class SDARMoeModel(SDARModel):
     config_class = SDARMoeConfig
 
     def __init__(self, config: SDARMoeConfig):
-        super().__init__(config)
-        for i, layer in enumerate(self.layers):
-            if is_moe_layer(config, i):
-                layer.mlp = SparseMoeBlock(config)
+        SDARPreTrainedModel.__init__(self, config)
+        # sparse layers get the MoE block at construction: a dense MLP built and then replaced would transiently
+        # allocate a dense MLP of intermediate_size in every layer of the 48
+        self.build_backbone(config, qkv_bias=config.attention_bias, qk_norm=True,
+                            mlp_of_layer=lambda i: SparseMoeBlock(config) if is_moe_layer(config, i) else None)
         self.post_init()
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
