@@ -56,10 +56,10 @@ class QwenMLP(Projections, nn.Module):
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = QwenAttention(config, layer_idx, qkv_bias, qk_norm)
-        self.mlp = QwenMLP(config)
+        self.mlp = mlp if mlp is not None else QwenMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -76,10 +76,13 @@ class QwenBackboneMixin:
     ``__init__``.
     """
 
-    def build_backbone(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+    def build_backbone(self, config, qkv_bias: bool, qk_norm: bool, mlp_of_layer=None) -> None:
+        """``mlp_of_layer(i)``: the MLP module of layer i (None: the dense QwenMLP), e.g. a sparse MoE block."""
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            QwenDecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm) for i in range(config.num_hidden_layers)
+            QwenDecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                             mlp=mlp_of_layer(i) if mlp_of_layer else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

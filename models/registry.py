@@ -22,6 +22,7 @@ from models.common import AttentionLayout, KVCache, predicting_columns
 from models.dream import DreamConfig, DreamModel
 from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
+from models.sdar_moe import SDARMoeConfig, SDARMoeForCausalLM, SDARMoeModel
 
 
 class ModelLoadError(UserError, ValueError):
@@ -47,6 +48,7 @@ _LLADA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj"
 FAMILIES: dict[str, FamilySpec] = {
     "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>", _QWEN_TARGETS),
     "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>", _QWEN_TARGETS),
+    "sdar_moe": FamilySpec("sdar", ("sdar_moe",), SDARMoeForCausalLM, "block", False, "<|im_end|>", _QWEN_TARGETS),
     "dream": FamilySpec("dream", ("Dream", "dream"), DreamModel, "full", True, "<|im_end|>", _QWEN_TARGETS),
     "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, "full", False, "<|eot_id|>", _LLADA_TARGETS),
     "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, "full", False, "<|eot_id|>", _LLADA_TARGETS),
@@ -57,6 +59,7 @@ def register_auto_classes() -> None:
     """Register our classes with the Auto* factories so `from_pretrained(local_dir)` works by model_type."""
     for cfg_cls, base_cls, lm_cls in (
         (SDARConfig, SDARModel, SDARForCausalLM),
+        (SDARMoeConfig, SDARMoeModel, SDARMoeForCausalLM),
         (DreamConfig, None, DreamModel),
         (LLaDAConfig, None, LLaDAModelLM),
         (MMadaConfig, None, MMadaModelLM),

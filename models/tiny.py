@@ -11,6 +11,7 @@ from models.dream import DreamConfig
 from models.llada import LLaDAConfig, MMadaConfig
 from models.registry import Adapter, family_spec, make_adapter
 from models.sdar import SDARConfig
+from models.sdar_moe import SDARMoeConfig
 
 SIZES = {  # name -> (hidden, layers, heads, kv heads, mlp)
     "test": (32, 2, 4, 2, 64),
@@ -26,7 +27,12 @@ def tiny_config(model_base: str, tokenizer: Any, size: str = "test", block_size:
     ids = {"mask_token_id": tokenizer.mask_token_id, "pad_token_id": tokenizer.pad_token_id,
            "eos_token_id": tokenizer.eos_token_id}
     family = family_spec(model_base).family
-    if family == "sdar":
+    if model_base == "sdar_moe":  # 8 experts, top-2: small enough for tests, sparse enough to route
+        cfg = SDARMoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=mlp // 4,
+                            block_size=block_size, max_position_embeddings=4096, **ids)
+    elif family == "sdar":
         cfg = SDARConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
                          block_size=block_size, max_position_embeddings=4096, **ids)

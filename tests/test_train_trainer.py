@@ -73,8 +73,9 @@ PROMPTS = ["The quick brown fox", "A train travels sixty miles in one hour. How 
 
 @pytest.mark.parametrize("layout", ["packed", "per_round"])
 @pytest.mark.parametrize("cache", ["prefix", "none"])
-def test_trainer_logprobs_equal_sampler_logprobs_block_model(tiny, demo_tokenizer, layout, cache):
-    adapter = tiny("sdar", seed=1)
+@pytest.mark.parametrize("model_base", ["sdar", "sdar_moe"])
+def test_trainer_logprobs_equal_sampler_logprobs_block_model(tiny, demo_tokenizer, layout, cache, model_base):
+    adapter = tiny(model_base, seed=1)
     prompts = [demo_tokenizer.encode(p) for p in PROMPTS]  # lengths 10, 21, 6: P mod 4 = 2, 1, 2
     trajs = sampled(adapter, prompts, max_tokens=15, denoising_steps=3, cache=cache,
                     remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.05)

@@ -1,0 +1,42 @@
+"""SDAR-MoE (SDAR-30B-A3B): SDAR's block-diffusion Qwen3 decoder with the dense MLP of each sparse layer replaced
+by the shared Qwen3-MoE block (models/moe.py). Attention and decoder layers are SDAR's own; state-dict keys equal
+the public checkpoint's (``mlp.gate.weight``, ``mlp.experts.{i}.{gate,up,down}_proj.weight``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from models.moe import SparseMoeBlock, is_moe_layer
+from models.sdar.modeling_sdar import SDARForCausalLM, SDARModel, SDARPreTrainedModel
+from models.sdar_moe.configuration_sdar_moe import SDARMoeConfig
+
+
+class SDARMoeModel(SDARModel):
+    config_class = SDARMoeConfig
+
+    def __init__(self, config: SDARMoeConfig):
+        SDARPreTrainedModel.__init__(self, config)
+        # sparse layers get the MoE block at construction: a dense MLP built and then replaced would transiently
+        # allocate a dense MLP of intermediate_size in every layer of the 48
+        self.build_backbone(config, qkv_bias=config.attention_bias, qk_norm=True,
+                            mlp_of_layer=lambda i: SparseMoeBlock(config) if is_moe_layer(config, i) else None)
+        self.post_init()
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def router_aux_loss(self) -> Tensor | None:
+        """Mean load-balancing loss over the sparse layers of the last forward (None unless output_router_logits)."""
+        losses = [loss for loss in (b.aux_loss() for b in self.moe_blocks()) if loss is not None]
+        return sum(losses) / len(losses) if losses else None
+
+
+class SDARMoeForCausalLM(SDARForCausalLM):
+    config_class = SDARMoeConfig
+    _no_split_modules = ["QwenDecoderLayer"]
+
+    def __init__(self, config: SDARMoeConfig):
+        SDARPreTrainedModel.__init__(self, config)
+        self.build_head(config, SDARMoeModel)
+        self.post_init()

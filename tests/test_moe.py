@@ -1,0 +1,141 @@
+"""The shared MoE block (models/moe.py) and the sdar_moe family: routing, grouped compute, parity with
+transformers' Qwen3-MoE, checkpoint round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models.common import AttentionLayout
+from models.moe import (
+    ExpertMLP,
+    grouped_expert_compute,
+    is_moe_layer,
+    load_balancing_loss,
+    naive_expert_compute,
+    softmax_topk_routing,
+)
+from models.registry import load_model
+from models.sdar_moe import SDARMoeConfig, SDARMoeForCausalLM
+
+
+def test_softmax_top2_routing_renormalised_and_not():
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.35, 0.05, 0.15, 0.45]]))  # softmax = these probs
+    w, idx = softmax_topk_routing(logits, 2, normalize=False)
+    assert idx.tolist() == [[1, 2], [3, 0]]
+    torch.testing.assert_close(w, torch.tensor([[0.5, 0.3], [0.45, 0.35]]), atol=1e-6, rtol=0)
+    w, idx = softmax_topk_routing(logits, 2, normalize=True)
+    torch.testing.assert_close(w, torch.tensor([[0.5 / 0.8, 0.3 / 0.8], [0.45 / 0.8, 0.35 / 0.8]]), atol=1e-6,
+                               rtol=0)
+
+
+def test_grouped_compute_equals_every_expert_on_every_token():
+    torch.manual_seed(0)
+    experts = nn.ModuleList(ExpertMLP(16, 24) for _ in range(6))
+    x = torch.randn(37, 16)
+    w, idx = softmax_topk_routing(torch.randn(37, 6), 3, normalize=True)
+    torch.testing.assert_close(grouped_expert_compute(x, w, idx, experts), naive_expert_compute(x, w, idx, experts),
+                               atol=1e-6, rtol=0)
+
+
+def test_grouped_compute_with_an_unused_expert_and_no_tokens():
+    torch.manual_seed(0)
+    experts = nn.ModuleList(ExpertMLP(8, 8) for _ in range(4))
+    x = torch.randn(3, 8)
+    idx = torch.tensor([[0, 1], [1, 0], [0, 1]])  # experts 2 and 3 get no token
+    w = torch.full((3, 2), 0.5)
+    torch.testing.assert_close(grouped_expert_compute(x, w, idx, experts), naive_expert_compute(x, w, idx, experts),
+                               atol=1e-6, rtol=0)
+    assert grouped_expert_compute(x[:0], w[:0], idx[:0], experts).shape == (0, 8)
+
+
+def test_load_balancing_loss_by_hand():
+    # two tokens, two experts, top-1: both go to expert 0; mean probs (0.75, 0.25) -> 2 * (1 * 0.75 + 0 * 0.25)
+    logits = torch.log(torch.tensor([[0.9, 0.1], [0.6, 0.4]]))
+    idx = torch.tensor([[0], [0]])
+    assert float(load_balancing_loss(logits, idx, 2)) == pytest.approx(1.5, abs=1e-6)
+
+
+def test_sparse_layer_rule():
+    cfg = SDARMoeConfig(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [is_moe_layer(cfg, i) for i in range(4)] == [False, True, False, False]
+    with pytest.raises(ValueError, match="exceeds num_experts"):
+        SDARMoeConfig(num_experts=4, num_experts_per_tok=8)
+
+
+def _tiny_pair():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6,
+                  rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, attn_implementation="eager")).eval()
+    ours = SDARMoeForCausalLM(SDARMoeConfig(**common, block_size=4, mask_token_id=96)).eval()
+    return ref, ours
+
+
+def test_logits_equal_transformers_qwen3_moe_with_the_same_state_dict(tmp_path):
+    from safetensors.torch import load_file
+
+    ref, ours = _tiny_pair()
+    ref.save_pretrained(tmp_path)  # transformers fuses experts in memory and writes per-expert tensors on disk
+    ref_sd = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(ours.state_dict()) == sorted(ref_sd)  # the public key names, nothing more or less
+    assert "model.layers.1.mlp.gate_proj.weight" in ref_sd  # mlp_only_layers: dense layer 1 on both sides
+    ours.load_state_dict(ref_sd)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(11).expand(2, 11)
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        got = ours.lm_logits(ours.model(ids, position_ids=pos,
+                                        layout=AttentionLayout.block_causal(pos, 1)).last_hidden_state)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_save_and_load_round_trip_keeps_keys_and_logits(tmp_path, tiny, demo_tokenizer):
+    a = tiny("sdar_moe", seed=2)
+    a.model.save_pretrained(tmp_path)
+    demo_tokenizer.save_pretrained(tmp_path)
+    b = load_model({"pretrained_model": str(tmp_path), "model_base": "sdar_moe"})
+    assert type(b.model) is SDARMoeForCausalLM and b.model.config.model_type == "sdar_moe"
+    assert sorted(b.model.state_dict()) == sorted(a.model.state_dict())
+    assert any(k.endswith("mlp.experts.7.down_proj.weight") for k in b.model.state_dict())
+    ids = torch.tensor([demo_tokenizer.encode("The quick brown fox")])
+    pos = torch.arange(ids.shape[1])[None]
+    layout = AttentionLayout.block_causal(pos, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(b.forward(ids, pos, layout), a.forward(ids, pos, layout), atol=0, rtol=0)
+    assert b.mask_id == demo_tokenizer.mask_token_id and b.attention == "block"
+
+
+def test_router_aux_loss_only_when_asked(tiny):
+    a = tiny("sdar_moe", seed=0)
+    ids = torch.arange(8)[None]
+    pos = torch.arange(8)[None]
+    a.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
+    assert a.model.model.router_aux_loss() is None
+    b = tiny("sdar_moe", seed=0, output_router_logits=True)
+    b.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
+    loss = b.model.model.router_aux_loss()
+    assert loss is not None and 1.0 <= float(loss.detach()) <= 8.0  # E * sum f_e P_e: 1 when balanced, at most E
+
+
+def test_llada2_sigmoid_group_limited_routing_by_hand():
+    from models.moe import sigmoid_group_limited_routing
+
+    # 8 experts in 4 groups of 2; sigmoid scores chosen directly through their logits
+    probs = torch.tensor([[0.9, 0.1, 0.5, 0.45, 0.6, 0.6, 0.2, 0.3]])
+    logits = torch.log(probs / (1 - probs))
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5])  # lifts group 3 (0.2 + 0.8 = 1.0) for choice only
+    # biased group scores (sum of the group's two): g0 1.0, g1 0.95, g2 1.2, g3 1.0; no tie at either cut below:
+    # topk_group=1 keeps g2 only, topk_group=3 keeps g2, g0, g3 and drops g1
+    w, idx = sigmoid_group_limited_routing(logits, bias, top_k=2, n_group=4, topk_group=1, routed_scaling=2.5)
+    assert sorted(idx[0].tolist()) == [4, 5]
+    torch.testing.assert_close(w, torch.tensor([[1.25, 1.25]]), atol=1e-6, rtol=0)
+    w, idx = sigmoid_group_limited_routing(logits, bias, top_k=2, n_group=4, topk_group=3, routed_scaling=2.5)
+    assert idx[0].tolist() == [0, 7]  # biased 0.9 and 0.3 + 0.5 = 0.8 beat 0.6, 0.6
+    # weights from the unbiased sigmoids 0.9 and 0.3: renormalised, times 2.5
+    torch.testing.assert_close(w, torch.tensor([[0.9 / 1.2 * 2.5, 0.3 / 1.2 * 2.5]]), atol=1e-6, rtol=0)
