@@ -139,3 +139,22 @@ def test_llada2_sigmoid_group_limited_routing_by_hand():
     assert idx[0].tolist() == [0, 7]  # biased 0.9 and 0.3 + 0.5 = 0.8 beat 0.6, 0.6
     # weights from the unbiased sigmoids 0.9 and 0.3: renormalised, times 2.5
     torch.testing.assert_close(w, torch.tensor([[0.9 / 1.2 * 2.5, 0.3 / 1.2 * 2.5]]), atol=1e-6, rtol=0)
+
+
+def test_the_router_aux_loss_trains_the_router_when_the_config_asks(demo_tokenizer):
+    from models.tiny import build_tiny
+    from tests.test_train_trainer import fake_batch, make_trainer
+
+    def gate_delta(**overrides) -> torch.Tensor:
+        adapter = build_tiny("sdar_moe", demo_tokenizer, seed=3, **overrides)
+        gate = adapter.model.model.layers[0].mlp.gate.weight
+        before = gate.detach().clone()
+        trainer = make_trainer(adapter, learning_rate=1e-2)
+        trajs = fake_batch(adapter, n=2)
+        trainer.train_step(trajs, {t.sample_id: 0.0 for t in trajs})  # zero advantages: no policy gradient
+        return gate.detach() - before
+
+    assert torch.equal(gate_delta(), torch.zeros_like(gate_delta()))  # off by default: nothing moves the router
+    assert torch.equal(gate_delta(output_router_logits=True, router_aux_loss_coef=0.0),
+                       torch.zeros_like(gate_delta()))
+    assert gate_delta(output_router_logits=True, router_aux_loss_coef=0.5).abs().max() > 0  # balancing moves it

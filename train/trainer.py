@@ -172,7 +172,7 @@ class Trainer:
             ctx = nullcontext() if last or _is_deepspeed(acc) else acc.no_sync(self.model)
             with ctx:
                 out = self.loss(mb, self.model_outputs(mb))
-                acc.backward(out.loss * self._accumulation_divisor())
+                acc.backward((out.loss + self._router_aux_loss()) * self._accumulation_divisor())
             parts.append(out.metrics)
         metrics = finalize_metrics(self._global_sums(parts, micro))
         self._stop_if_not_finite("loss", metrics.get("loss", 0.0))
@@ -197,6 +197,19 @@ class Trainer:
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         return metrics
+
+    def _router_aux_loss(self) -> Tensor | float:
+        """A mixture-of-experts model's load-balancing loss of the forward just run, times the config's
+        ``router_aux_loss_coef`` (models/moe.py; on when the config says ``output_router_logits``); 0 otherwise."""
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model, "config", None)
+        coef = getattr(config, "router_aux_loss_coef", 0.0) if getattr(config, "output_router_logits", False) else 0
+        for name in ("backbone", "model"):
+            aux = getattr(getattr(model, name, None), "router_aux_loss", None)
+            if coef and aux is not None:
+                loss = aux()
+                return coef * loss if loss is not None else 0.0
+        return 0.0
 
     def _stop_if_not_finite(self, quantity: str, value: float) -> None:
         """Raise (every process alike: the values are global) at the first NaN / Inf, before it is saved."""
