@@ -19,7 +19,7 @@ class SDARMoeModel(SDARModel):
         SDARPreTrainedModel.__init__(self, config)
         # sparse layers get the MoE block at construction: a dense MLP built and then replaced would transiently
         # allocate a dense MLP of intermediate_size in every layer of the 48
-        self.build_backbone(config, qkv_bias=config.attention_bias, qk_norm=True,
+        self.build_backbone(config, qkv_bias=config.attention_bias, qk_norm=getattr(config, "qk_norm", True),
                             mlp_of_layer=lambda i: SparseMoeBlock(config) if is_moe_layer(config, i) else None)
         self.post_init()
 
