@@ -30,7 +30,7 @@ from models.lora import LoraSettings
 from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
-from train.algorithms import advantage_refusal, value_model_refusal
+from train.algorithms import advantage_refusal, rl_refusal, value_model_refusal
 from train.settings import (
     LRSchedulerConfig,
     OptimizerConfig,
@@ -384,6 +384,8 @@ class RLConfig(Settings):
         if self.reward.overlong_buffer > self.rollout.max_tokens:
             raise SettingError("reward.overlong_buffer", f"reward.overlong_buffer ({self.reward.overlong_buffer}) "
                                f"exceeds rollout.max_tokens ({self.rollout.max_tokens})")
+        if rl_refusal(self.training.method):
+            raise SettingError("training.method", rl_refusal(self.training.method))
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
         if advantage_refusal(self.training.method, self.reward.advantage):

@@ -39,3 +39,10 @@ def test_value_model_needs_an_algorithm_that_serves_it():
 def test_ar_refuses_models_without_shifted_logits():
     with pytest.raises(ValueError, match="shifted logits"):
         build_view([], {}, ViewConfig(method="ar"), ModelTraits(mask_id=9, pad_id=0, attention="block", block_size=2))
+
+
+def test_rl_job_refuses_an_sft_method():
+    from core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="training.method 'semi_ar' is an SFT method"):
+        load_config(["config=configs/demo/rl_demo.yaml", "training.method=semi_ar"], "rl")

@@ -24,17 +24,19 @@ class Entry:
     value_model: bool = False  # can train with the value model (model.value_base_model)
     display: str = ""  # the name error messages show (default: the registry name)
     advantages: tuple[str, ...] = ()  # the reward.advantage choices its paper's estimator allows (empty: any)
+    rl: bool = True  # an RL method (False: SFT only)
 
 
 REGISTRY: dict[str, Entry] = {
     "tracerl": Entry("train.algorithms.tracerl", aliases=("trace_rl",), value_model=True, display="TraceRL"),
     "random_masking": Entry("train.algorithms.random_masking"),
     "coupled": Entry("train.algorithms.coupled"),
-    "semi_ar": Entry("train.algorithms.semi_ar"),
-    "ar": Entry("train.algorithms.ar"),
+    "semi_ar": Entry("train.algorithms.semi_ar", rl=False),
+    "ar": Entry("train.algorithms.ar", rl=False),
 }
 
 METHODS = tuple(REGISTRY)
+RL_METHODS = tuple(name for name, entry in REGISTRY.items() if entry.rl)
 _BY_SPELLING = {spelling: name for name, entry in REGISTRY.items() for spelling in (name, *entry.aliases)}
 
 
@@ -54,6 +56,14 @@ def value_model_refusal(method: str) -> str:
         return ""
     return (f"training.method {method!r} cannot train with the value model (model.value_base_model): a token's value "
             "is read at the state before its decoding step, which only TraceRL's rows reproduce")
+
+
+def rl_refusal(method: str) -> str:
+    """One line saying why ``method`` cannot be an RL job's training method ("" when it can)."""
+    if REGISTRY[method].rl:
+        return ""
+    return (f"training.method {method!r} is an SFT method; RL methods: "
+            f"{', '.join(REGISTRY[name].display or name for name in RL_METHODS)}")
 
 
 def advantage_refusal(method: str, advantage: str) -> str:
