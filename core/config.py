@@ -30,7 +30,7 @@ from models.lora import LoraSettings
 from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
-from train.algorithms import advantage_refusal, rl_refusal, value_model_refusal
+from train.algorithms import advantage_refusal, default_advantage, rl_refusal, value_model_refusal
 from train.settings import (
     LRSchedulerConfig,
     OptimizerConfig,
@@ -257,8 +257,9 @@ class RewardConfig(Settings):
     acc_high: float = bounded(0.8, 0.0, 1.0)
     filter_all_equal: bool = True  # drop groups whose rewards are all equal (zero advantage)
     # how a group's rewards become advantages (reward/group.py ESTIMATORS): grpo = z-score (the reference's),
-    # dr_grpo = minus the group mean, rloo = minus the mean of the other responses
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    # dr_grpo = minus the group mean, rloo = minus the mean of the other responses; null = the training method's own
+    # (grpo for TraceRL, random masking and coupled)
+    advantage: Literal["grpo", "dr_grpo", "rloo"] | None = None
     # DAPO's overlong shaping: responses longer than rollout.max_tokens - overlong_buffer lose up to
     # overlong_penalty reward, linearly (0 = off, the reference's)
     overlong_buffer: int = bounded(0, 0)
@@ -388,6 +389,8 @@ class RLConfig(Settings):
             raise SettingError("training.method", rl_refusal(self.training.method))
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
+        if self.reward.advantage is None:
+            self.reward.advantage = default_advantage(self.training.method)
         if advantage_refusal(self.training.method, self.reward.advantage):
             raise SettingError("reward.advantage", advantage_refusal(self.training.method, self.reward.advantage))
         if self.model.process_reward_model:

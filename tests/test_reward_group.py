@@ -234,6 +234,9 @@ def test_an_advantage_that_contradicts_the_algorithm_is_refused_at_load(monkeypa
     monkeypatch.setitem(algorithms.REGISTRY, "coupled", entry)
     with pytest.raises(ConfigError, match="reward.advantage 'grpo' contradicts training.method 'coupled', whose "
                                           "estimator uses dr_grpo or rloo"):
-        load_config(["config=configs/rl_trado.yaml", "training.method=coupled"], "rl")
-    cfg = load_config(["config=configs/rl_trado.yaml", "training.method=coupled", "reward.advantage=dr_grpo"], "rl")
-    assert cfg.reward.advantage == "dr_grpo"
+        load_config(["config=configs/rl_trado.yaml", "training.method=coupled", "reward.advantage=grpo"], "rl")
+    cfg = load_config(["config=configs/rl_trado.yaml", "training.method=coupled", "reward.advantage=rloo"], "rl")
+    assert cfg.reward.advantage == "rloo"
+    unset = load_config(["config=configs/rl_trado.yaml", "training.method=coupled"], "rl")
+    assert unset.reward.advantage == "dr_grpo"  # the algorithm's own when the config leaves it unset
+    assert load_config(["config=configs/rl_trado.yaml"], "rl").reward.advantage == "grpo"

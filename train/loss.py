@@ -35,12 +35,27 @@ class LossOutput:
     metrics: dict[str, float]  # sums over tokens (divide by "tokens" for means) and the loss parts
 
 
+def per_group_mean(values: Tensor, group: Tensor) -> Tensor:
+    """Each element replaced by the mean of its group's elements (``group``: any integer labels)."""
+    _, inverse = torch.unique(group.to(values.device), return_inverse=True)
+    n = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, inverse, values)
+    counts = torch.bincount(inverse, minlength=n).to(values.dtype)
+    return (sums / counts)[inverse]
+
+
 def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, weights: Tensor, cfg: LossConfig,
-                logp_ref: Tensor | None = None) -> LossOutput:
-    """Weighted clipped surrogate + KL terms over T trained tokens (all inputs [T])."""
+                logp_ref: Tensor | None = None, sequences: Tensor | None = None) -> LossOutput:
+    """Weighted clipped surrogate + KL terms over T trained tokens (all inputs [T]).
+
+    ``sequences`` (the sample of each token): GSPO's sequence ratio (arXiv 2507.18071), exp of the mean log-ratio
+    over the sample's trained tokens, replaces every token's ratio (the micro-batch holds whole samples)."""
     logp_old, advantages, weights = (t.to(logp_new.device, logp_new.dtype) for t in (logp_old, advantages, weights))
     eps_high = cfg.eps if cfg.eps_high is None else cfg.eps_high
-    ratio = torch.exp(torch.clamp(logp_new - logp_old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    log_ratio = torch.clamp(logp_new - logp_old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if sequences is not None:
+        log_ratio = per_group_mean(log_ratio, sequences)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - cfg.eps, 1 + eps_high)
     surr = torch.minimum(ratio * advantages, clipped * advantages)
     pg = -(weights * surr).sum()

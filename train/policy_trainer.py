@@ -8,11 +8,13 @@ frozen reference model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from sample.trajectory import Trajectory
 from train.algorithms import algorithm
 from train.batch import TrainBatch
 from train.loss import LossOutput
@@ -30,12 +32,20 @@ class PolicyTrainer(Trainer):
                  accelerator: Any = None, ref_model: Any = None):
         super().__init__(adapter, cfg, optimizer, lr_scheduler, total_steps, accelerator)
         self.algorithm = algorithm(cfg.method)  # training.method: its loss (the views read the method too)
+        self.fresh_masks = self.algorithm.needs.fresh_masks
+        self.whole_samples = self.algorithm.needs.whole_samples or cfg.ratio_level == "sequence"
         self.ref_model = ref_model
         if ref_model is not None:  # frozen reference for the ref_beta KL (a full copy per process)
             self.ref_model = ref_model.to(self.accelerator.device).eval().requires_grad_(False)
 
+    def build_views(self, trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
+                    epoch: int = 0) -> list[TrainBatch]:
+        return super().build_views(trajectories, self.algorithm.sample_advantages(trajectories, advantages), epoch)
+
     def compute_old_logprobs(self, plan: Plan) -> dict[str, float]:
         """Fill old log-probs (sampler or recomputed under no_grad before any update); returns metrics."""
+        if self.algorithm.needs.old_logprobs == "none":  # a ratio-free loss
+            return {}
         need = self.cfg.old_logp == "recompute" or self.cfg.check_sampler_logp or any(
             not mb.exact for micro in plan for mb in micro)
         if not need:
@@ -56,8 +66,7 @@ class PolicyTrainer(Trainer):
         return self.forward_logprobs(self.model, mb)
 
     def loss(self, mb: TrainBatch, logp_new: Tensor) -> LossOutput:
-        return self.algorithm.loss(logp_new, mb.old_logprobs, mb.advantages, mb.weights, self.cfg,
-                           self._ref_logprobs(mb))
+        return self.algorithm.loss(logp_new, mb, self.cfg, self._ref_logprobs(mb))
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
         if self.ref_model is None or not self.cfg.ref_beta:

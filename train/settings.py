@@ -39,13 +39,16 @@ class ViewConfig(Seeded):
     max_gen_length: int | None = bounded(None, 1)  # response truncation (tokens)
     # padded_length: 1 / L1 per row (reference block models); row_mean: mean over the row's trained tokens
     # (reference Dream/LLaDA); token_mean: mean over all trained tokens of the batch.
-    loss_norm: Literal["padded_length", "row_mean", "token_mean"] = "padded_length"
+    # null: the algorithm's own (padded_length for TraceRL, random masking and coupled; see train/algorithms/).
+    loss_norm: Literal["padded_length", "row_mean", "token_mean"] | None = None
     lower_p: float = bounded(0.1, 0.0, 1.0)  # random / coupled masking ratio range
     upper_p: float = bounded(0.9, 0.0, 1.0)
     # per_sequence: one ratio t ~ U(lower_p, upper_p) per row; per_position: the reference's draw (a ratio per
     # position, marginally Bernoulli((lower_p + upper_p) / 2)).
     random_mask_mode: Literal["per_sequence", "per_position"] = "per_sequence"
     mask_times_per_sample: int = bounded(1, 1)  # random/coupled draws per sample (reference Dream/LLaDA: 35)
+    # probability of masking each prompt token of a training row (d1's estimator: 0.15); null: the algorithm's own
+    prompt_mask_p: float | None = bounded(None, 0.0, 1.0)
     # weight each randomly masked token by 1/t, t its masking probability (the masked-diffusion ELBO, as in LLaDA's
     # SFT); the reference weights every token 1. Random-masking methods only.
     elbo_weight: bool = False
@@ -75,6 +78,9 @@ class LossConfig(Settings):
     beta: float = bounded(0.0, 0.0)  # KL to the old (rollout-step) policy; the reference configs use 0.01
     ref_beta: float = bounded(0.0, 0.0)  # KL to a frozen reference model (0 = no reference model is loaded)
     use_kl_estimator_k3: bool = True
+    # token: PPO's per-token ratio; sequence: GSPO's (arXiv 2507.18071) exp(mean log-ratio over a sample's trained
+    # tokens) for every token of the sample (GSPO's own clip range is eps 3e-4, eps_high 4e-4)
+    ratio_level: Literal["token", "sequence"] = "token"
 
 
 @dataclass

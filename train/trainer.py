@@ -73,6 +73,8 @@ class Trainer:
                                    sched.params.min_lr_scale)
         self.rl_step = 0
         self.dropped: list[tuple[str, str]] = []
+        self.fresh_masks = False  # every inner iteration (num_train_epochs) builds its own rows
+        self.whole_samples = False  # micro-batches hold whole samples (losses that combine a sample's tokens)
 
     # ------------------------------------------------------------ the RL step
 
@@ -80,11 +82,14 @@ class Trainer:
                    advantages: Mapping[str, float | Sequence[float]]) -> list[dict[str, float]]:
         """Train on one RL step's trajectories; returns the metrics of every optimiser step."""
         self.rl_step += 1
-        batches = self.build_views(trajectories, advantages)
-        plan = self._equalize([self.micro_batches(b, i) for i, b in enumerate(batches)])
-        old_metrics = self.compute_old_logprobs(plan)
+        plans = [self._plan(trajectories, advantages, 0)]
+        for epoch in range(1, self.cfg.num_train_epochs):  # fresh masks: every inner iteration has its own rows
+            plans.append(self._plan(trajectories, advantages, epoch) if self.fresh_masks else plans[0])
+        old_metrics: dict[str, float] = {}
+        for plan in plans[:len(plans) if self.fresh_masks else 1]:  # every old quantity before any update
+            old_metrics.update(self.compute_old_logprobs(plan))
         out = []
-        for _ in range(self.cfg.num_train_epochs):
+        for plan in plans:
             for micro in plan:
                 if not micro:  # every sample of this step was dropped (all processes agree, see _equalize)
                     continue
@@ -94,11 +99,17 @@ class Trainer:
                 out.append(metrics)
         return out
 
+    def _plan(self, trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
+              epoch: int) -> Plan:
+        batches = self.build_views(trajectories, advantages, epoch)
+        return self._equalize([self.micro_batches(b, i + 1000 * epoch) for i, b in enumerate(batches)])
+
     # ------------------------------------------------------------ hooks
 
-    def build_views(self, trajectories: Sequence[Trajectory],
-                    advantages: Mapping[str, float | Sequence[float]]) -> list[TrainBatch]:
-        """Shuffle, shard over processes, cut into optimiser-step groups and build each group's view."""
+    def build_views(self, trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
+                    epoch: int = 0) -> list[TrainBatch]:
+        """Shuffle, shard over processes, cut into optimiser-step groups and build each group's view (``epoch``:
+        the inner iteration, whose masks are its own when the algorithm draws fresh ones)."""
         acc = self.accelerator
         order = torch.arange(len(trajectories))
         if self.cfg.shuffle:
@@ -109,7 +120,8 @@ class Trainer:
             raise ValueError("train_step got no trajectories")
         per_step = self.cfg.samples_per_step or per_process
         n_steps = math.ceil(per_process / per_step)
-        view_cfg = replace_settings(self.cfg, seed=self.cfg.seed + 7919 * self.rl_step + acc.process_index)
+        view_cfg = replace_settings(self.cfg, seed=self.cfg.seed + 7919 * self.rl_step + acc.process_index
+                                    + 104_729 * epoch)
         batches = [build_view(shard[i * per_step:(i + 1) * per_step], advantages, view_cfg, self.ids)
                    for i in range(n_steps)]
         self.dropped = [d for b in batches for d in b.dropped]
@@ -146,19 +158,33 @@ class Trainer:
         with torch.no_grad():
             self.model.eval()
             parts = [self.forward_logprobs(self.model, mb).float().cpu()
-                     for mb in self.micro_batches(batch, 0, shuffle=False)]
+                     for mb in self.micro_batches(batch, 0, shuffle=False, whole_samples=False)]
         return _reassemble(batch, parts, self.cfg.batch_size_lm)
 
     # ------------------------------------------------------------ optimisation
 
-    def micro_batches(self, batch: TrainBatch, step: int, shuffle: bool | None = None) -> list[TrainBatch]:
-        """Split a step's rows into micro-batches (rows shuffled with a seed)."""
+    def micro_batches(self, batch: TrainBatch, step: int, shuffle: bool | None = None,
+                      whole_samples: bool | None = None) -> list[TrainBatch]:
+        """Split a step's rows into micro-batches of ``batch_size_lm`` rows (shuffled with a seed); with
+        ``whole_samples`` a micro-batch takes samples (all their rows) while it has room, at least one sample."""
         shuffle = self.cfg.shuffle if shuffle is None else shuffle
-        order = torch.arange(batch.num_rows)
-        if shuffle:
-            order = torch.randperm(batch.num_rows, generator=self._generator(step + 1))
+        whole_samples = self.whole_samples if whole_samples is None else whole_samples
         size = self.cfg.batch_size_lm
-        return [batch.select_rows(order[i:i + size]) for i in range(0, batch.num_rows, size)]
+        if not whole_samples:
+            order = torch.arange(batch.num_rows)
+            if shuffle:
+                order = torch.randperm(batch.num_rows, generator=self._generator(step + 1))
+            return [batch.select_rows(order[i:i + size]) for i in range(0, batch.num_rows, size)]
+        samples = torch.unique(batch.row_sample)
+        if shuffle:
+            samples = samples[torch.randperm(len(samples), generator=self._generator(step + 1))]
+        groups: list[list[Tensor]] = []
+        for sample in samples.tolist():
+            rows = (batch.row_sample == sample).nonzero().squeeze(1)
+            if not groups or sum(len(r) for r in groups[-1]) + len(rows) > size:
+                groups.append([])
+            groups[-1].append(rows)
+        return [batch.select_rows(torch.cat(group)) for group in groups]
 
     def optimizer_step(self, micro: list[TrainBatch]) -> dict[str, float]:
         """Accumulate gradients over the micro-batches, clip, step once, advance the LR schedule once."""

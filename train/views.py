@@ -37,7 +37,7 @@ from torch import Tensor
 from models.common import predicting_columns
 from sample.trajectory import Trajectory
 from train.algorithms import algorithm as algorithm_named
-from train.algorithms.base import Algorithm, BlockGeometry, Row, Units, block_geometry
+from train.algorithms.base import PROMPT, Algorithm, BlockGeometry, Row, Units, block_geometry
 from train.batch import TrainBatch
 from train.layouts import Segment, clean_segment, collate_rows
 from train.samples import Sample, prepare_samples
@@ -54,7 +54,7 @@ def _block_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: Vi
                 gen: torch.Generator) -> list[Row]:
     block_size = sample.block
     geometry = block_geometry(sample, block_size)
-    units = algorithm.block_units(geometry, cfg, gen).nonempty()
+    units = _noised_prompts(algorithm.block_units(geometry, cfg, gen).nonempty(), sample, cfg, algorithm, gen)
     clean_ids = torch.cat([sample.prompt, sample.resp])
     n_units = len(units.masked)
     if n_units == 0:
@@ -62,12 +62,41 @@ def _block_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: Vi
     # clean context a unit needs: every block before the last block it copies (positions are absolute)
     clean_len = [int(geometry.block[units.in_copy[unit]].max()) * block_size for unit in range(n_units)]
     budget = 1 if cfg.layout == "per_round" else cfg.max_row_tokens  # per-round: one unit per row, copy index 1
+    if units.prompt_masked is not None:  # a masked prompt is the unit's own: its clean context is not shared
+        budget = 1
+        units.masked[:, geometry.kind == PROMPT] |= units.prompt_masked[:, len(sample.prompt) - _prompt_tail(geometry):]
     rows = []
     for group in _pack_units(clean_len, units.in_copy.sum(1).tolist(), budget):
         copies = [_copy_segment(geometry, units, unit, ids.mask_id, copy + 1) for copy, unit in enumerate(group)]
-        rows.append(_assemble(sample, sample_index, clean_ids[:max(clean_len[unit] for unit in group)], block_size,
-                              copies, group, units))
+        clean = clean_ids[:max(clean_len[unit] for unit in group)]
+        if units.prompt_masked is not None:
+            clean = _masked_prompt(clean, units.prompt_masked[group[0]], ids.mask_id)
+        rows.append(_assemble(sample, sample_index, clean, block_size, copies, group, units))
     return rows
+
+
+def prompt_mask_p(cfg: ViewConfig, algorithm: Algorithm) -> float:
+    """The probability of masking each prompt token of a row: the config's, else the algorithm's own."""
+    return algorithm.prompt_mask_p if cfg.prompt_mask_p is None else cfg.prompt_mask_p
+
+
+def _noised_prompts(units: Units, sample: Sample, cfg: ViewConfig, algorithm: Algorithm,
+                    gen: torch.Generator) -> Units:
+    """Units with their own prompt masks (d1's prompt noise) when the prompt mask probability is above 0."""
+    p = prompt_mask_p(cfg, algorithm)
+    if p and len(units.masked):
+        units.prompt_masked = torch.rand(len(units.masked), len(sample.prompt), generator=gen) < p
+    return units
+
+
+def _prompt_tail(geometry: BlockGeometry) -> int:
+    return int((geometry.kind == PROMPT).sum())
+
+
+def _masked_prompt(sequence: Tensor, prompt_masked: Tensor, mask_id: int) -> Tensor:
+    """``sequence`` with its prompt tokens (its first ones) masked where ``prompt_masked`` says."""
+    n = min(len(sequence), len(prompt_masked))
+    return torch.cat([torch.where(prompt_masked[:n], mask_id, sequence[:n]), sequence[n:]])
 
 
 def _pack_units(clean_len: list[int], copy_len: list[int], budget: int | None) -> list[list[int]]:
@@ -118,12 +147,14 @@ def _full_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: Vie
     direct = algorithm.full_rows(sample, sample_index, cfg, ids, gen)
     if direct is not None:
         return direct
-    units = algorithm.full_units(sample, cfg, gen).nonempty()
+    units = _noised_prompts(algorithm.full_units(sample, cfg, gen).nonempty(), sample, cfg, algorithm, gen)
     prompt_len = len(sample.prompt)
     generated = torch.cat([sample.resp, sample.tail])
     rows = []
     for unit in range(len(units.masked)):
         sequence = torch.cat([sample.prompt, torch.where(units.masked[unit], ids.mask_id, generated)])
+        if units.prompt_masked is not None:
+            sequence = _masked_prompt(sequence, units.prompt_masked[unit], ids.mask_id)
         hit = units.trained[unit].nonzero().squeeze(1)
         rows.append(Row([clean_segment(sequence, None)], sample_index, prompt_len + hit, hit,
                         torch.full_like(hit, unit), units.steps[hit], units.level[unit, hit]))
@@ -146,11 +177,12 @@ def build_view(trajectories: Sequence[Trajectory], advantages: Mapping[str, floa
     rows: list[Row] = []
     for sample_index, sample in enumerate(samples):
         rows.extend(make_rows(sample, sample_index, algorithm, cfg, ids, gen))
-    return _finish(rows, samples, dropped, cfg, ids, algorithm.exact(cfg, ids, samples))
+    return _finish(rows, samples, dropped, cfg, ids, algorithm)
 
 
 def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str]], cfg: ViewConfig,
-            ids: ModelTraits, exact: bool) -> TrainBatch:
+            ids: ModelTraits, algorithm: Algorithm) -> TrainBatch:
+    exact = algorithm.exact(cfg, ids, samples) and not prompt_mask_p(cfg, algorithm)
     tensors = collate_rows([row.segments for row in rows], ids.pad_id)
     n_tok = [len(row.cols) for row in rows]
     sample_index = (torch.cat([torch.full((count,), row.sample) for row, count in zip(rows, n_tok)]) if rows
@@ -159,19 +191,21 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
     unit = _global_units(rows, samples)
     token_cols = torch.cat([row.cols for row in rows]) if rows else _empty()
     # the 1/t weighting of the masked-diffusion ELBO: each noised token counts 1 / (its masking probability)
-    level = torch.cat([row.level for row in rows]) if rows and cfg.elbo_weight else torch.ones(len(token_cols))
+    level = torch.cat([row.level for row in rows]) if rows else torch.ones(0)
     gather = _per_sample_gather(samples, sample_index, resp_index)
+    resp_len = torch.tensor([len(sample.resp) for sample in samples], dtype=torch.float32)
+    weights = _weights(unit, samples, cfg.loss_norm or algorithm.loss_norm)
     return TrainBatch(
         input_ids=tensors.input_ids, position_ids=tensors.position_ids, layout=tensors.layout,
         row_sample=torch.tensor([row.sample for row in rows], dtype=torch.long),
         rows=torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(n_tok, dtype=torch.long)),
         cols=predicting_columns(token_cols, ids.shift_logits, first=0), token_cols=token_cols,
         labels=gather("resp"), advantages=gather("adv"), old_logprobs=gather("logp") if exact else
-        torch.full((len(token_cols),), math.nan), weights=_weights(unit, samples, cfg.loss_norm) / level,
+        torch.full((len(token_cols),), math.nan), weights=weights / level if cfg.elbo_weight else weights,
         sample_index=sample_index, token_index=resp_index,
         steps=torch.cat([row.steps for row in rows]) if rows else _empty(), unit=unit,
         sample_ids=[sample.sample_id for sample in samples], num_units=int(unit.max()) + 1 if len(unit) else 0,
-        exact=exact, dropped=dropped)
+        exact=exact, dropped=dropped, extra={"level": level, "resp_len": resp_len[sample_index]})
 
 
 def _empty() -> Tensor:

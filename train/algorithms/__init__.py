@@ -66,6 +66,12 @@ def rl_refusal(method: str) -> str:
             f"{', '.join(REGISTRY[name].display or name for name in RL_METHODS)}")
 
 
+def default_advantage(method: str) -> str:
+    """The reward.advantage an algorithm uses when the config leaves it unset: its paper's, else GRPO's z-score."""
+    allowed = REGISTRY[method].advantages
+    return allowed[0] if allowed else "grpo"
+
+
 def advantage_refusal(method: str, advantage: str) -> str:
     """One line saying why ``method`` refuses the group baseline ``advantage`` ("" when it accepts it)."""
     allowed = REGISTRY[method].advantages

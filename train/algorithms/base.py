@@ -8,7 +8,7 @@ normalises the loss weights; an algorithm only decides the units.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,11 +16,13 @@ import torch
 from torch import Tensor
 
 from train.layouts import Segment
-from train.loss import policy_loss
+from train.loss import LossOutput, policy_loss
 from train.samples import Sample
-from train.settings import ViewConfig
+from train.settings import LossConfig, ViewConfig
 
 if TYPE_CHECKING:
+    from sample.trajectory import Trajectory
+    from train.batch import TrainBatch
     from train.traits import ModelTraits
 
 PROMPT, RESPONSE, TAIL = 0, 1, 2  # token kinds of a block geometry
@@ -35,10 +37,13 @@ class Units:
     in_copy: Tensor  # [U, n] bool (block models: tokens of the blocks this unit copies)
     steps: Tensor  # [n] collapsed step of each token (0 for prompt tokens)
     level: Tensor  # [U, n] float: the probability t with which each token was masked (1 for TraceRL rounds)
+    # [U, P] bool over the whole prompt: prompt tokens masked in the unit's input (None: the prompt stays clean)
+    prompt_masked: Tensor | None = None
 
     def nonempty(self) -> Units:
         keep = self.trained.any(1)
-        return Units(self.masked[keep], self.trained[keep], self.in_copy[keep], self.steps, self.level[keep])
+        prompt = None if self.prompt_masked is None else self.prompt_masked[keep]
+        return Units(self.masked[keep], self.trained[keep], self.in_copy[keep], self.steps, self.level[keep], prompt)
 
 
 def full_attention_units(masked: Tensor, trained_response: Tensor, steps: Tensor, level: Tensor) -> Units:
@@ -46,6 +51,39 @@ def full_attention_units(masked: Tensor, trained_response: Tensor, steps: Tensor
     tail_len = masked.shape[1] - trained_response.shape[1]
     trained = torch.cat([trained_response, torch.zeros(len(trained_response), tail_len, dtype=torch.bool)], 1)
     return Units(masked, trained, torch.ones_like(masked), steps, level)
+
+
+def masked_response_block_units(geometry: BlockGeometry, resp_masks: Tensor, resp_level: Tensor) -> Units:
+    """Block units from [D, response length] masks of the response tokens (and the probability each was masked
+    with): tail tokens always masked, never trained; each unit copies every block holding response tokens."""
+    is_resp = geometry.kind == RESPONSE
+    masked = (geometry.kind == TAIL)[None].repeat(len(resp_masks), 1)
+    masked[:, is_resp] = resp_masks
+    level = torch.ones(masked.shape)
+    level[:, is_resp] = resp_level
+    trained = masked & (is_resp & geometry.trainable)[None]
+    in_copy = torch.isin(geometry.block, geometry.block[is_resp])[None].repeat(len(masked), 1)
+    return Units(masked, trained, in_copy, geometry.steps, level)
+
+
+def masked_response_full_units(sample: Sample, resp_masks: Tensor, resp_level: Tensor) -> Units:
+    """Full-attention units from [D, response length] masks of the response tokens: the tail always masked."""
+    tail_len = len(sample.tail)
+    masked = torch.cat([resp_masks, torch.ones(len(resp_masks), tail_len, dtype=torch.bool)], 1)
+    level = torch.cat([resp_level, torch.ones(len(resp_masks), tail_len)], 1)
+    return full_attention_units(masked, resp_masks & sample.trainable[None],
+                                torch.cat([sample.steps, sample.tail_steps]), level)
+
+
+def stratified_masks(length: int, draws: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """[draws, length] masks with stratified mask counts (VRPO's variance reduction, arXiv 2505.19223): draw j
+    masks m_j = clamp(round((j + u) / draws * length), 1, length) uniformly chosen tokens, one u ~ U(0, 1) shared;
+    and each draw's masking probability m_j / length on every token."""
+    u = float(torch.rand((), generator=gen))
+    counts = ((torch.arange(draws) + u) / draws * length).round().clamp(1, length).long()
+    ranks = torch.rand(draws, length, generator=gen).argsort(1).argsort(1)
+    masks = ranks < counts[:, None]
+    return masks, (counts.float() / length)[:, None].expand(draws, length).clone()
 
 
 @dataclass
@@ -95,6 +133,12 @@ class Needs:
     reference_model: str = "optional"  # "optional": a frozen reference model when training.ref_beta > 0; "none"
     inner_iterations: str = "training.num_train_epochs"  # passes over one step's rows ("" = one)
     monte_carlo_draws: str = ""  # the setting that counts random draws per sample ("" = none: deterministic units)
+    # every inner iteration draws its own masks (old log-probs of every iteration computed before any update), as
+    # d1's mu iterations do; False: every iteration reuses the step's rows
+    fresh_masks: bool = False
+    # the loss combines several trained tokens of one sample (a sequence ratio, a per-token mix of units), so a
+    # micro-batch holds whole samples
+    whole_samples: bool = False
 
 
 class Algorithm:
@@ -104,7 +148,20 @@ class Algorithm:
     paper = ""  # arXiv id
     code = ""  # the public code it follows
     needs = Needs(old_logprobs="recompute")
-    loss = staticmethod(policy_loss)  # RL loss over the trained tokens (SFT uses its NLL, the value model its own)
+    loss_norm = "padded_length"  # training.loss_norm when the config leaves it unset
+    prompt_mask_p = 0.0  # training.prompt_mask_p when unset: probability of masking each prompt token of a row
+    # (train/views.py draws the prompt masks for every algorithm)
+
+    def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
+        """The RL loss of a micro-batch from the new log-probs of its trained tokens (default: the clipped
+        policy-gradient loss per token, or per sample with ``training.ratio_level: sequence``)."""
+        return policy_loss(logp_new, mb.old_logprobs, mb.advantages, mb.weights, cfg, logp_ref,
+                           mb.sample_index if cfg.ratio_level == "sequence" else None)
+
+    def sample_advantages(self, trajectories: Sequence[Trajectory],
+                          advantages: Mapping[str, float | Sequence[float]]) -> Mapping[str, float | Sequence[float]]:
+        """The per-sample quantity the loss multiplies (default: the advantages as the reward computed them)."""
+        return advantages
 
     def refusal(self, ids: ModelTraits) -> str:
         """One line saying why this algorithm cannot train a model with these traits ("" when it can)."""

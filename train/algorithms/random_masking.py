@@ -12,7 +12,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from train.algorithms.base import RESPONSE, TAIL, Algorithm, BlockGeometry, Needs, Units, full_attention_units
+from train.algorithms.base import (
+    RESPONSE,
+    Algorithm,
+    BlockGeometry,
+    Needs,
+    Units,
+    masked_response_block_units,
+    masked_response_full_units,
+)
 from train.samples import Sample
 from train.settings import ViewConfig
 
@@ -41,23 +49,12 @@ class RandomMasking(Algorithm):
     complement = False  # coupled: each random mask followed by its complement
 
     def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        is_resp = geometry.kind == RESPONSE
-        resp_masks, resp_level = noise_masks(int(is_resp.sum()), cfg, gen, self.complement)
-        masked = (geometry.kind == TAIL)[None].repeat(len(resp_masks), 1)
-        masked[:, is_resp] = resp_masks
-        level = torch.ones(masked.shape)
-        level[:, is_resp] = resp_level
-        trained = masked & (is_resp & geometry.trainable)[None]
-        in_copy = torch.isin(geometry.block, geometry.block[is_resp])[None].expand_as(masked)
-        return Units(masked, trained, in_copy, geometry.steps, level)
+        resp_masks, resp_level = noise_masks(int((geometry.kind == RESPONSE).sum()), cfg, gen, self.complement)
+        return masked_response_block_units(geometry, resp_masks, resp_level)
 
     def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        tail_len = len(sample.tail)
         resp_masks, resp_level = noise_masks(len(sample.resp), cfg, gen, self.complement)
-        masked = torch.cat([resp_masks, torch.ones(len(resp_masks), tail_len, dtype=torch.bool)], 1)
-        level = torch.cat([resp_level, torch.ones(len(resp_masks), tail_len)], 1)
-        return full_attention_units(masked, resp_masks & sample.trainable[None],
-                                    torch.cat([sample.steps, sample.tail_steps]), level)
+        return masked_response_full_units(sample, resp_masks, resp_level)
 
 
 ALGORITHM = RandomMasking()
