@@ -30,7 +30,7 @@ from models.lora import LoraSettings
 from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
-from train.algorithms import advantage_refusal, default_advantage, rl_refusal, value_model_refusal
+from train.algorithms import advantage_refusal, default_advantage, family_refusal, rl_refusal, value_model_refusal
 from train.settings import (
     LRSchedulerConfig,
     OptimizerConfig,
@@ -387,6 +387,8 @@ class RLConfig(Settings):
                                f"exceeds rollout.max_tokens ({self.rollout.max_tokens})")
         if rl_refusal(self.training.method):
             raise SettingError("training.method", rl_refusal(self.training.method))
+        if family_refusal(self.training.method, self.model.model_base):
+            raise SettingError("training.method", family_refusal(self.training.method, self.model.model_base))
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
         if self.reward.advantage is None:

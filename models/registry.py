@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from core.errors import UserError
 from models.common import AttentionLayout, KVCache, predicting_columns
 from models.dream import DreamConfig, DreamModel
+from models.kinds import ATTENTION_OF
 from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
 from models.sdar_moe import SDARMoeConfig, SDARMoeForCausalLM, SDARMoeModel
@@ -46,12 +47,15 @@ _QWEN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 _LLADA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 
 FAMILIES: dict[str, FamilySpec] = {
-    "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>", _QWEN_TARGETS),
-    "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, "block", False, "<|im_end|>", _QWEN_TARGETS),
-    "sdar_moe": FamilySpec("sdar", ("sdar_moe",), SDARMoeForCausalLM, "block", False, "<|im_end|>", _QWEN_TARGETS),
-    "dream": FamilySpec("dream", ("Dream", "dream"), DreamModel, "full", True, "<|im_end|>", _QWEN_TARGETS),
-    "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, "full", False, "<|eot_id|>", _LLADA_TARGETS),
-    "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, "full", False, "<|eot_id|>", _LLADA_TARGETS),
+    "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["trado"], False, "<|im_end|>", _QWEN_TARGETS),
+    "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["sdar"], False, "<|im_end|>", _QWEN_TARGETS),
+    "sdar_moe": FamilySpec("sdar", ("sdar_moe",), SDARMoeForCausalLM, ATTENTION_OF["sdar_moe"], False,
+                        "<|im_end|>", _QWEN_TARGETS),
+    "dream": FamilySpec("dream", ("Dream", "dream"), DreamModel, ATTENTION_OF["dream"], True,
+                        "<|im_end|>", _QWEN_TARGETS),
+    "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, ATTENTION_OF["llada"], False, "<|eot_id|>", _LLADA_TARGETS),
+    "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, ATTENTION_OF["mmada"], False,
+                        "<|eot_id|>", _LLADA_TARGETS),
 }
 
 

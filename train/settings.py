@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.schema import SettingError, Settings, bounded
-from train.algorithms import canonical_method, method_choices
+from train.algorithms import REGISTRY, canonical_method, method_choices
 
 
 @dataclass
@@ -38,9 +38,10 @@ class ViewConfig(Seeded):
     max_prompt_len: int | None = bounded(None, 1)  # longer prompts are dropped together with their rewards
     max_gen_length: int | None = bounded(None, 1)  # response truncation (tokens)
     # padded_length: 1 / L1 per row (reference block models); row_mean: mean over the row's trained tokens
-    # (reference Dream/LLaDA); token_mean: mean over all trained tokens of the batch.
+    # (reference Dream/LLaDA); token_mean: mean over all trained tokens of the batch; unit_sum: a unit's tokens
+    # summed, units averaged (wd1's sequence log-likelihood).
     # null: the algorithm's own (padded_length for TraceRL, random masking and coupled; see train/algorithms/).
-    loss_norm: Literal["padded_length", "row_mean", "token_mean"] | None = None
+    loss_norm: Literal["padded_length", "row_mean", "token_mean", "unit_sum"] | None = None
     lower_p: float = bounded(0.1, 0.0, 1.0)  # random / coupled masking ratio range
     upper_p: float = bounded(0.9, 0.0, 1.0)
     # per_sequence: one ratio t ~ U(lower_p, upper_p) per row; per_position: the reference's draw (a ratio per
@@ -61,9 +62,9 @@ class ViewConfig(Seeded):
         self.method = method
         if self.lower_p > self.upper_p:
             raise SettingError("lower_p", f"lower_p ({self.lower_p}) exceeds upper_p ({self.upper_p})")
-        if self.elbo_weight and self.method in ("tracerl", "ar"):
+        if self.elbo_weight and not REGISTRY[self.method].elbo_weight:
             raise SettingError("elbo_weight", f"elbo_weight weights randomly masked tokens by 1/t; method "
-                                              f"{self.method!r} masks nothing at random")
+                                              f"{self.method!r} masks nothing at random or weighs tokens itself")
         if self.elbo_weight and (self.lower_p == 0.0 or (self.method == "coupled" and self.upper_p == 1.0)):
             raise SettingError("elbo_weight", "elbo_weight needs masking probabilities above 0 (lower_p > 0; "
                                               "for coupled also upper_p < 1)")
@@ -81,6 +82,9 @@ class LossConfig(Settings):
     # token: PPO's per-token ratio; sequence: GSPO's (arXiv 2507.18071) exp(mean log-ratio over a sample's trained
     # tokens) for every token of the sample (GSPO's own clip range is eps 3e-4, eps_high 4e-4)
     ratio_level: Literal["token", "sequence"] = "token"
+    dual_clip: float = bounded(3.0, 0.0)  # BGPO: negative-advantage surrogate floored at dual_clip x A (0 = off)
+    eubo_beta: float = bounded(1.5, 0.0, lo_open=True)  # SPG: the EUBO's beta (SPG: 1.5 math, 1.0 Sudoku)
+    eubo_weight: float = bounded(0.5, 0.0, 1.0)  # SPG: EUBO share of the negative-advantage score (1 = pure EUBO)
 
 
 @dataclass

@@ -23,7 +23,8 @@ micro-batches of one optimiser step simply add up (gradient accumulation divides
   L1max = longest response in the batch;
 * ``row_mean`` (the reference's full-attention models, train/rl_dream.py and rl_llada.py): mean over the tokens of
   a unit, then mean over units;
-* ``token_mean``: mean over all trained tokens.
+* ``token_mean``: mean over all trained tokens;
+* ``unit_sum``: a unit's tokens summed, units averaged (wd1's sequence log-likelihood).
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
         sample_index=sample_index, token_index=resp_index,
         steps=torch.cat([row.steps for row in rows]) if rows else _empty(), unit=unit,
         sample_ids=[sample.sample_id for sample in samples], num_units=int(unit.max()) + 1 if len(unit) else 0,
-        exact=exact, dropped=dropped, extra={"level": level, "resp_len": resp_len[sample_index]})
+        exact=exact, dropped=dropped, extra={"level": level, "resp_len": resp_len[sample_index],
+                                             "batch_resp_len": resp_len.sum().expand(len(token_cols)).clone()})
 
 
 def _empty() -> Tensor:
@@ -245,6 +247,8 @@ def _weights(unit: Tensor, samples: list[Sample], loss_norm: str) -> Tensor:
     if loss_norm == "padded_length":
         l1max = max(len(sample.resp) for sample in samples)
         return torch.full((unit.numel(),), 1.0 / (n_units * l1max))
+    if loss_norm == "unit_sum":
+        return torch.full((unit.numel(),), 1.0 / n_units)
     if loss_norm == "row_mean":
         per_unit = torch.bincount(unit, minlength=n_units).float()
         return 1.0 / (n_units * per_unit[unit])

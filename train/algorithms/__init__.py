@@ -14,6 +14,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from models.kinds import ATTENTION_OF
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -25,13 +27,27 @@ class Entry:
     display: str = ""  # the name error messages show (default: the registry name)
     advantages: tuple[str, ...] = ()  # the reward.advantage choices its paper's estimator allows (empty: any)
     rl: bool = True  # an RL method (False: SFT only)
+    elbo_weight: bool = False  # accepts training.elbo_weight (its rows mask at random and its loss weighs tokens)
+    attention: tuple[str, ...] = ("block", "full")  # the attention kinds it serves (models/kinds.py ATTENTION_OF)
+    why: str = ""  # why it refuses the other kinds
 
 
 REGISTRY: dict[str, Entry] = {
     "tracerl": Entry("train.algorithms.tracerl", aliases=("trace_rl",), value_model=True, display="TraceRL"),
-    "random_masking": Entry("train.algorithms.random_masking"),
-    "coupled": Entry("train.algorithms.coupled"),
-    "semi_ar": Entry("train.algorithms.semi_ar", rl=False),
+    "random_masking": Entry("train.algorithms.random_masking", elbo_weight=True),
+    "coupled": Entry("train.algorithms.coupled", elbo_weight=True),
+    "cj_grpo": Entry("train.algorithms.cj_grpo", aliases=("cj-grpo",), display="CJ-GRPO", advantages=("dr_grpo",)),
+    "diffu_grpo": Entry("train.algorithms.diffu_grpo", aliases=("d1", "diffu-grpo"), display="diffu-GRPO",
+                        advantages=("dr_grpo",), elbo_weight=True),
+    "wd1": Entry("train.algorithms.wd1", advantages=("dr_grpo",)),
+    "coupled_grpo": Entry("train.algorithms.coupled_grpo", aliases=("coupled-grpo",), display="coupled-GRPO",
+                          advantages=("rloo", "dr_grpo")),
+    "spg": Entry("train.algorithms.spg", display="SPG", advantages=("dr_grpo",)),
+    "bgpo": Entry("train.algorithms.bgpo", display="BGPO"),
+    "espo": Entry("train.algorithms.espo", display="ESPO", advantages=("rloo", "dr_grpo")),
+    "ebpo": Entry("train.algorithms.ebpo", display="EBPO", attention=("block",),
+                  why="it noises every block on its own in one block-causal forward (use espo or bgpo)"),
+    "semi_ar": Entry("train.algorithms.semi_ar", rl=False, elbo_weight=True),
     "ar": Entry("train.algorithms.ar", rl=False),
 }
 
@@ -64,6 +80,21 @@ def rl_refusal(method: str) -> str:
         return ""
     return (f"training.method {method!r} is an SFT method; RL methods: "
             f"{', '.join(REGISTRY[name].display or name for name in RL_METHODS)}")
+
+
+def family_refusal(method: str, model_base: str) -> str:
+    """One line saying why ``method`` cannot train a ``model_base`` model ("" when it can)."""
+    entry, attention = REGISTRY[method], ATTENTION_OF.get(model_base)
+    if attention is None or attention in entry.attention:
+        return ""
+    return f"training.method {method!r} cannot train {model_base!r}, a {attention}-attention model: {entry.why}"
+
+
+def attention_refusal(method: str, attention: str) -> str:
+    """The same refusal for a model known by its attention kind only (a training view's traits)."""
+    entry = REGISTRY[method]
+    return "" if attention in entry.attention else (
+        f"training.method {method!r} cannot train {attention}-attention models: {entry.why}")
 
 
 def default_advantage(method: str) -> str:

@@ -164,8 +164,11 @@ class Algorithm:
         return advantages
 
     def refusal(self, ids: ModelTraits) -> str:
-        """One line saying why this algorithm cannot train a model with these traits ("" when it can)."""
-        return ""
+        """One line saying why this algorithm cannot train a model with these traits ("" when it can); the
+        registry's attention kinds are checked here, so a view refuses what config loading refuses."""
+        from train.algorithms import attention_refusal
+
+        return attention_refusal(self.name, ids.attention)
 
     def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
         """Units of a block-attention sample."""

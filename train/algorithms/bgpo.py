@@ -1,0 +1,81 @@
+"""BGPO, boundary-guided policy optimisation (arXiv 2510.11683; DARE verl llada_dp_actor_bgpo.py
+compute_policy_loss_bgpo).
+
+Per sample ``training.mask_times_per_sample`` draws (BGPO's n_t, 16) with stratified mask counts; each draw j is a
+unit whose normalised ELBO is l_j = (1/L) sum_k log p / t = the mean log-prob of its masked completion tokens. Its
+ratio is linear where the advantage is positive, r_j = 1 + l_j - l_j_old (a lower bound of exp whose gradient does
+not grow with the ratio), and exp(l_j - l_j_old) otherwise; loss = -mean over draws and samples of the clipped
+surrogate, with DARE's dual clip max(surrogate, c A) for A < 0 (``training.dual_clip`` c, 3). Each draw's loss is its
+own term, so a micro-batch need not hold whole samples (constant memory in n_t). BGPO: lr 5e-7, no KL.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from train.algorithms.base import (
+    RESPONSE,
+    Algorithm,
+    BlockGeometry,
+    Needs,
+    Units,
+    masked_response_block_units,
+    masked_response_full_units,
+    stratified_masks,
+)
+from train.algorithms.espo import sequence_metrics
+from train.batch import TrainBatch
+from train.loss import LOG_RATIO_CLAMP, LossOutput
+from train.samples import Sample
+from train.settings import LossConfig, ViewConfig
+
+
+def per_unit_mean(values: Tensor, unit: Tensor) -> tuple[Tensor, Tensor]:
+    """Each distinct unit's (sorted) mean of ``values`` and the index of its first entry."""
+    _, unit_of = torch.unique(unit, return_inverse=True)
+    n = int(unit_of.max()) + 1 if unit_of.numel() else 0
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, unit_of, values)
+    counts = torch.bincount(unit_of, minlength=n).to(values.dtype)
+    first = torch.zeros(n, dtype=torch.long, device=values.device).scatter_reduce(
+        0, unit_of, torch.arange(len(unit_of), device=values.device), "amin", include_self=False)
+    return sums / counts, first
+
+
+def bgpo_surrogate(delta: Tensor, advantages: Tensor, eps: float, eps_high: float | None,
+                   dual_clip: float) -> tuple[Tensor, Tensor]:
+    """Per unit: BGPO's clipped surrogate from delta = l - l_old, and the ratios."""
+    delta = torch.clamp(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.where(advantages > 0, 1 + delta, torch.exp(delta))
+    high = eps if eps_high is None else eps_high
+    surrogate = torch.minimum(ratio * advantages, torch.clamp(ratio, 1 - eps, 1 + high) * advantages)
+    if dual_clip:
+        surrogate = torch.where(advantages < 0, torch.maximum(surrogate, dual_clip * advantages), surrogate)
+    return surrogate, ratio
+
+
+class BGPO(Algorithm):
+    name = "bgpo"
+    paper = "2510.11683"
+    code = "DARE (yjyddq/DARE) verl llada_dp_actor_bgpo.py"
+    needs = Needs(old_logprobs="recompute", monte_carlo_draws="training.mask_times_per_sample")
+
+    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
+        length = int((geometry.kind == RESPONSE).sum())
+        return masked_response_block_units(geometry, *stratified_masks(length, cfg.mask_times_per_sample, gen))
+
+    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
+        return masked_response_full_units(sample, *stratified_masks(len(sample.resp), cfg.mask_times_per_sample, gen))
+
+    def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
+        device, dtype = logp_new.device, logp_new.dtype
+        unit = mb.unit.to(device)
+        new, first = per_unit_mean(logp_new, unit)
+        old, _ = per_unit_mean(mb.old_logprobs.to(device, dtype), unit)
+        advantages = mb.advantages.to(device, dtype)[first]
+        surrogate, ratio = bgpo_surrogate(new - old, advantages, cfg.eps, cfg.eps_high, cfg.dual_clip)
+        loss = -(surrogate / max(mb.num_units, 1)).sum()
+        return LossOutput(loss, sequence_metrics(loss, loss, ratio, cfg))
+
+
+ALGORITHM = BGPO()

@@ -1,0 +1,80 @@
+"""ESPO, ELBO-based sequence-level policy optimisation (arXiv 2512.03759; ML-GSAI/ESPO espo/espo_trainer.py).
+
+Per sample, ``training.mask_times_per_sample`` draws (ESPO's num_mc, 2) with stratified mask counts, each followed by
+its complement (ESPO's complementary pass); fresh draws every inner iteration (ESPO's mu, 8). ELBO = mean over the
+units of sum over a unit's masked completion tokens of log p / t (t = the unit's masked fraction). The ratio is one
+per sample, rho = exp((ELBO - ELBO_old) / L) with L the completion length; loss = -(1/B) sum_i min(rho A, clip(rho)
+A) + ref_beta (1/B) sum_i (ELBO - ELBO_ref)^2 / (2 L) (ESPO's quadratic penalty to the reference, beta 1e-3); A by RLOO
+without std (``reward.advantage: rloo``); ESPO's eps 0.2.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from train.algorithms.base import (
+    RESPONSE,
+    Algorithm,
+    BlockGeometry,
+    Needs,
+    Units,
+    masked_response_block_units,
+    masked_response_full_units,
+    stratified_masks,
+)
+from train.algorithms.sequence_elbo import clipped_surrogate, first_per_sample, per_sample_elbo
+from train.batch import TrainBatch
+from train.loss import LossOutput
+from train.samples import Sample
+from train.settings import LossConfig, ViewConfig
+
+
+def with_complements(length: int, draws: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Stratified masks, each followed by its complement, and their masking probabilities."""
+    masks, level = stratified_masks(length, draws, gen)
+    return torch.stack([masks, ~masks], 1).flatten(0, 1), torch.stack([level, 1 - level], 1).flatten(0, 1)
+
+
+class ESPO(Algorithm):
+    name = "espo"
+    paper = "2512.03759"
+    code = "ML-GSAI/ESPO espo/espo_trainer.py"
+    needs = Needs(old_logprobs="recompute", fresh_masks=True, whole_samples=True,
+                  monte_carlo_draws="training.mask_times_per_sample")
+
+    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
+        length = int((geometry.kind == RESPONSE).sum())
+        return masked_response_block_units(geometry, *with_complements(length, cfg.mask_times_per_sample, gen))
+
+    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
+        return masked_response_full_units(sample, *with_complements(len(sample.resp), cfg.mask_times_per_sample, gen))
+
+    def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
+        device, dtype = logp_new.device, logp_new.dtype
+        index, unit, level = (t.to(device) for t in (mb.sample_index, mb.unit, mb.extra["level"]))
+        _, elbo = per_sample_elbo(logp_new, index, unit, level)
+        with torch.no_grad():
+            _, elbo_old = per_sample_elbo(mb.old_logprobs.to(device, dtype), index, unit, level)
+        length = first_per_sample(mb.extra["resp_len"].to(device, dtype), index)
+        advantages = first_per_sample(mb.advantages.to(device, dtype), index)
+        surrogate, ratio = clipped_surrogate((elbo - elbo_old) / length, advantages, cfg.eps, cfg.eps_high)
+        per_sample = 1.0 / len(mb.sample_ids)
+        pg = -(surrogate * per_sample).sum()
+        loss = pg
+        if cfg.ref_beta and logp_ref is not None:
+            _, elbo_ref = per_sample_elbo(logp_ref.to(device, dtype), index, unit, level)
+            loss = loss + cfg.ref_beta * per_sample * ((elbo - elbo_ref) ** 2 / (2 * length)).sum()
+        return LossOutput(loss, sequence_metrics(loss, pg, ratio, cfg))
+
+
+def sequence_metrics(loss: Tensor, pg: Tensor, ratio: Tensor, cfg: LossConfig) -> dict[str, float]:
+    """Loss parts and ratio statistics of a sequence-level loss (``tokens`` counts samples here)."""
+    high = cfg.eps if cfg.eps_high is None else cfg.eps_high
+    values = torch.stack([loss.detach(), pg.detach(), ratio.detach().sum(),
+                          ((ratio < 1 - cfg.eps) | (ratio > 1 + high)).sum().to(ratio.dtype)]).tolist()
+    return {"loss": values[0], "policy_loss": values[1], "ratio_sum": values[2], "clip_count": values[3],
+            "tokens": float(len(ratio))}
+
+
+ALGORITHM = ESPO()

@@ -1,0 +1,39 @@
+"""Shared by the algorithms whose ratio is one per sample, of a Monte-Carlo ELBO (ESPO, EBPO): the per-sample ELBO
+estimate from a micro-batch's trained-token entries, and the sequence-level clipped surrogate."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from train.loss import LOG_RATIO_CLAMP
+
+
+def per_sample_elbo(logp: Tensor, sample_index: Tensor, unit: Tensor, level: Tensor) -> tuple[Tensor, Tensor]:
+    """The distinct samples (sorted) and each one's ELBO estimate: the mean over its units of
+    sum_k log p(o_k | unit) / t_k over the unit's trained tokens (t_k: the probability k was masked with)."""
+    samples, sample_of = torch.unique(sample_index, return_inverse=True)
+    n = len(samples)
+    sums = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add(0, sample_of, logp / level.to(logp.dtype))
+    units_per_sample = torch.zeros(n, dtype=logp.dtype, device=logp.device)
+    units, first = torch.unique(unit, return_inverse=True)
+    owner = torch.zeros(len(units), dtype=torch.long, device=logp.device).scatter_(0, first, sample_of)
+    units_per_sample.index_add_(0, owner, torch.ones(len(units), dtype=logp.dtype, device=logp.device))
+    return samples, sums / units_per_sample
+
+
+def first_per_sample(values: Tensor, sample_index: Tensor) -> Tensor:
+    """The value of each distinct sample's (sorted) first entry (a per-sample quantity stored on every token)."""
+    _, sample_of = torch.unique(sample_index, return_inverse=True)
+    n = int(sample_of.max()) + 1 if sample_of.numel() else 0
+    index = torch.zeros(n, dtype=torch.long, device=values.device).scatter_reduce(
+        0, sample_of, torch.arange(len(sample_of), device=values.device), "amin", include_self=False)
+    return values[index]
+
+
+def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, eps: float, eps_high: float | None) -> tuple[Tensor,
+                                                                                                           Tensor]:
+    """min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) per sample and the ratios rho = exp(clamped log-ratio)."""
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    high = eps if eps_high is None else eps_high
+    return torch.minimum(ratio * advantages, torch.clamp(ratio, 1 - eps, 1 + high) * advantages), ratio
