@@ -25,7 +25,7 @@ def test_every_registered_algorithm_is_its_module(name):
 def test_method_names_and_aliases_resolve():
     assert canonical_method("TraceRL") == canonical_method("trace_rl") == "tracerl"
     assert ViewConfig(method="Coupled").method == "coupled"
-    with pytest.raises(ValueError, match="one of TraceRL, random_masking, coupled, semi_ar, ar"):
+    with pytest.raises(ValueError, match="one of TraceRL, random_masking, coupled, CJ-GRPO, .*, semi_ar, ar"):
         ViewConfig(method="grpo")
 
 
