@@ -135,6 +135,11 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_e
     runs.append([*runs[0], "experiment.project=e", "model.process_reward_model=judge-model",
                  f"process_reward.base_url={url}", "process_reward.k_sample=1", "process_reward.timeout=30",
                  "process_reward.retries=1", "process_reward.api_key_env=DLLM_TEST_KEY"])
+    # algorithms' own keys (train/algorithms/spg.py, bgpo.py)
+    runs.append([*common, f"model.pretrained_model={sdar}", "experiment.project=f", "training.method=spg",
+                 "training.eubo_beta=1.0", "training.eubo_weight=0.7"])
+    runs.append([*common, f"model.pretrained_model={sdar}", "experiment.project=g", "training.method=bgpo",
+                 "training.dual_clip=2.0", "training.mask_times_per_sample=2"])
     reads: set[tuple[type, str]] = set()
     for i, argv in enumerate(runs):
         if i != 2:  # math runs: the stand-in reward varies within a group, so the update runs
