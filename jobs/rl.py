@@ -67,6 +67,7 @@ from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages, overlong_penalty
 from sample.trajectory import Trajectory, write_jsonl
 from train.accelerator import build_accelerator, gather_objects
+from train.algorithms import algorithm
 from train.policy_trainer import PolicyTrainer
 from train.value_trainer import ValueTrainer, value_advantages
 
@@ -239,7 +240,8 @@ class RLJob:
         if cfg.optimizer.name != "adamw":  # the only optimizer (the reference's configs name it)
             raise RunDirError(f"optimizer.name {cfg.optimizer.name!r} is not supported")
         ref = None
-        if cfg.training.ref_beta > 0:  # a frozen copy of the starting policy for the reference KL
+        # a frozen copy of the starting policy: for the reference KL, or the algorithm's own loss (VRPO)
+        if cfg.training.ref_beta > 0 or algorithm(cfg.training.method).needs.reference_model == "required":
             ref = load_model(_with_path(cfg.model, cfg.model.pretrained_model), device=default_device()).model
         params = cfg.optimizer.params
         policy_params = replace_settings(params, learning_rate=params.policy_learning_rate or params.learning_rate)

@@ -140,6 +140,8 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_e
                  "training.eubo_beta=1.0", "training.eubo_weight=0.7"])
     runs.append([*common, f"model.pretrained_model={sdar}", "experiment.project=g", "training.method=bgpo",
                  "training.dual_clip=2.0", "training.mask_times_per_sample=2"])
+    runs.append([*common, f"model.pretrained_model={sdar}", "experiment.project=h", "training.method=vrpo",
+                 "training.preference_beta=0.5"])
     reads: set[tuple[type, str]] = set()
     for i, argv in enumerate(runs):
         if i != 2:  # math runs: the stand-in reward varies within a group, so the update runs

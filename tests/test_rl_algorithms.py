@@ -25,10 +25,11 @@ from train.algorithms.sequence_elbo import per_sample_elbo
 from train.algorithms.spg import block_random_masks, spg_scores
 from train.algorithms.wd1 import group_weights
 from train.loss import policy_loss
+from train.policy_trainer import PolicyTrainer
 from train.settings import LossConfig, RLTrainingConfig, ViewConfig
 from train.views import build_view
 
-NEW = ("diffu_grpo", "wd1", "coupled_grpo", "spg", "bgpo", "espo", "ebpo", "cj_grpo")
+NEW = ("diffu_grpo", "wd1", "coupled_grpo", "spg", "bgpo", "espo", "ebpo", "cj_grpo", "vrpo")
 
 
 def entries(logp, **fields):
@@ -156,6 +157,25 @@ def test_ebpo_composite_ratio_and_reference_kl():
     assert float(out.loss.detach()) == pytest.approx(ratio + 0.5 * kl, abs=1e-6)  # -(A ratio), A = -1
 
 
+def test_vrpo_pairs_chosen_and_rejected_responses_of_a_group_by_hand():
+    # group 0: sample 0 chosen (A > 0), samples 1 and 2 rejected; group 1: sample 3 alone (no pair)
+    logp = torch.tensor([-1.0, -2.0, -3.0, -4.0, -0.5], requires_grad=True)
+    ref = torch.tensor([-1.5, -2.0, -2.5, -4.0, -0.5])
+    index = torch.tensor([0, 0, 1, 2, 3])
+    mb = entries(logp, sample_index=index, unit=index, advantages=torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0]),
+                 extra={"level": torch.tensor([0.5, 0.5, 1.0, 0.5, 1.0]), "group": torch.tensor([0, 0, 0, 0, 1]),
+                        "resp_len": torch.tensor([2.0, 2.0, 1.0, 2.0, 1.0]), "batch_groups": torch.full((5,), 2.0)})
+    out = algorithm("vrpo").loss(logp, mb, RLTrainingConfig(method="vrpo", preference_beta=0.5), ref)
+    # margins (B - B_ref) / L: sample 0: (-6 - -7) / 2 = 0.5; sample 1: (-3 - -2.5) / 1 = -0.5; sample 2: 0
+    pair = [-math.log(1 / (1 + math.exp(-0.5 * (0.5 - m)))) for m in (-0.5, 0.0)]
+    assert float(out.loss.detach()) == pytest.approx(sum(pair) / 2 / 2, abs=1e-6) and out.metrics["pairs"] == 2
+    out.loss.backward()
+    sig = [1 / (1 + math.exp(0.5 * (0.5 - m))) for m in (-0.5, 0.0)]  # sigmoid(-beta x) = -d(-log sigmoid)/dx
+    d_margin0 = -0.5 * sum(sig) / 2 / 2
+    assert logp.grad[:2].tolist() == pytest.approx([d_margin0 / 0.5 / 2] * 2, abs=1e-6)  # dB/dl = 1 / (t L)
+    assert float(logp.grad[4]) == 0.0  # a group without a pair does not train
+
+
 def test_gspo_sequence_ratio_replaces_token_ratios():
     new = torch.tensor([-1.0, -1.0, -2.0], requires_grad=True)
     old = torch.tensor([-1.2, -1.0, -1.9])
@@ -267,9 +287,18 @@ def rollouts(demo_tokenizer):
     return out
 
 
+def _with_reference(ref_model):
+    init = PolicyTrainer.__init__
+
+    def with_reference(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "ref_model": ref_model})
+
+    return with_reference
+
+
 @pytest.mark.parametrize("base", ["sdar", "dream", "llada", "mmada", "sdar_moe"])
 @pytest.mark.parametrize("method", RL_METHODS)
-def test_every_algorithm_trains_every_family_or_refuses_it(tiny, rollouts, base, method):
+def test_every_algorithm_trains_every_family_or_refuses_it(tiny, rollouts, base, method, monkeypatch):
     adapter = tiny(base, seed=3)
     trajs = rollouts[base]
     adv = {t.sample_id: (1.0 if i % 2 else -1.0) * (0.5 + i / 10) for i, t in enumerate(trajs)}
@@ -280,6 +309,10 @@ def test_every_algorithm_trains_every_family_or_refuses_it(tiny, rollouts, base,
             make_trainer(adapter, **trainer_args).train_step(trajs, adv)
         return
     before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
+    if method == "vrpo":  # a frozen reference is part of its loss
+        with pytest.raises(ValueError, match="needs a frozen reference model"):
+            make_trainer(adapter, **trainer_args)
+        monkeypatch.setattr(PolicyTrainer, "__init__", _with_reference(tiny(base, seed=4).model))
     trainer = make_trainer(adapter, **trainer_args)
     metrics = trainer.train_step(trajs, adv)
     assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
@@ -303,6 +336,24 @@ def test_fresh_masks_draw_new_rows_and_compute_every_old_logprob_before_any_upda
     assert not torch.equal(seen[0][1], seen[1][1]) and not torch.equal(seen[1][1], seen[2][1])  # fresh prompt masks
     assert metrics[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # the first pass: old == new
     assert abs(metrics[1]["ratio_mean"] - 1.0) > 1e-4  # later iterations: old is the step's start policy
+
+
+@pytest.mark.parametrize("method", ["vrpo", "espo"])
+def test_micro_batches_hold_whole_groups_or_whole_samples(tiny, rollouts, method, monkeypatch):
+    adapter = tiny("llada", seed=3)
+    monkeypatch.setattr(PolicyTrainer, "__init__", _with_reference(tiny("llada", seed=4).model))
+    trainer = make_trainer(adapter, view=ViewConfig(method=method, mask_times_per_sample=2), micro_batch_size=1)
+    trajs = rollouts["llada"]
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
+    key = "group" if method == "vrpo" else None
+    micro = trainer.micro_batches(batch, 0)
+    assert sum(mb.num_rows for mb in micro) == batch.num_rows and len(micro) > 1
+    owners = [set((mb.extra["group"] if key else mb.sample_index).tolist()) for mb in micro]
+    full = batch.extra["group"] if key else batch.sample_index
+    for mb, own in zip(micro, owners):
+        part = mb.extra["group"] if key else mb.sample_index
+        assert all(int((part == o).sum()) == int((full == o).sum()) for o in own)  # every token of its owners
+    assert sum(len(o) for o in owners) == len(set().union(*owners))  # no owner split over micro-batches
 
 
 def test_refusals_at_config_load():

@@ -34,7 +34,10 @@ class PolicyTrainer(Trainer):
         self.algorithm = algorithm(cfg.method)  # training.method: its loss (the views read the method too)
         self.fresh_masks = self.algorithm.needs.fresh_masks
         self.whole_samples = self.algorithm.needs.whole_samples or cfg.ratio_level == "sequence"
+        self.whole_groups = self.algorithm.needs.whole_groups
         self.ref_model = ref_model
+        if self.algorithm.needs.reference_model == "required" and ref_model is None:
+            raise ValueError(f"training.method {cfg.method!r} needs a frozen reference model (ref_model)")
         if ref_model is not None:  # frozen reference for the ref_beta KL (a full copy per process)
             self.ref_model = ref_model.to(self.accelerator.device).eval().requires_grad_(False)
 
@@ -69,7 +72,7 @@ class PolicyTrainer(Trainer):
         return self.algorithm.loss(logp_new, mb, self.cfg, self._ref_logprobs(mb))
 
     def _ref_logprobs(self, mb: TrainBatch) -> Tensor | None:
-        if self.ref_model is None or not self.cfg.ref_beta:
+        if self.ref_model is None or not (self.cfg.ref_beta or self.algorithm.needs.reference_model == "required"):
             return None
         with torch.no_grad():
             return self.forward_logprobs(self.ref_model, mb).float()

@@ -85,6 +85,7 @@ class LossConfig(Settings):
     dual_clip: float = bounded(3.0, 0.0)  # BGPO: negative-advantage surrogate floored at dual_clip x A (0 = off)
     eubo_beta: float = bounded(1.5, 0.0, lo_open=True)  # SPG: the EUBO's beta (SPG: 1.5 math, 1.0 Sudoku)
     eubo_weight: float = bounded(0.5, 0.0, 1.0)  # SPG: EUBO share of the negative-advantage score (1 = pure EUBO)
+    preference_beta: float = bounded(0.2, 0.0, lo_open=True)  # VRPO: the DPO beta on ELBO differences (DARE: 0.2)
 
 
 @dataclass

@@ -75,6 +75,7 @@ class Trainer:
         self.dropped: list[tuple[str, str]] = []
         self.fresh_masks = False  # every inner iteration (num_train_epochs) builds its own rows
         self.whole_samples = False  # micro-batches hold whole samples (losses that combine a sample's tokens)
+        self.whole_groups = False  # micro-batches hold whole prompt groups (losses over pairs of responses)
 
     # ------------------------------------------------------------ the RL step
 
@@ -158,33 +159,41 @@ class Trainer:
         with torch.no_grad():
             self.model.eval()
             parts = [self.forward_logprobs(self.model, mb).float().cpu()
-                     for mb in self.micro_batches(batch, 0, shuffle=False, whole_samples=False)]
+                     for mb in self._row_chunks(batch)]
         return _reassemble(batch, parts, self.cfg.batch_size_lm)
 
     # ------------------------------------------------------------ optimisation
 
-    def micro_batches(self, batch: TrainBatch, step: int, shuffle: bool | None = None,
-                      whole_samples: bool | None = None) -> list[TrainBatch]:
+    def micro_batches(self, batch: TrainBatch, step: int, shuffle: bool | None = None) -> list[TrainBatch]:
         """Split a step's rows into micro-batches of ``batch_size_lm`` rows (shuffled with a seed); with
-        ``whole_samples`` a micro-batch takes samples (all their rows) while it has room, at least one sample."""
+        ``whole_samples`` a micro-batch takes samples (all their rows) while it has room, at least one sample (prompt
+        groups when the algorithm needs whole groups)."""
         shuffle = self.cfg.shuffle if shuffle is None else shuffle
-        whole_samples = self.whole_samples if whole_samples is None else whole_samples
         size = self.cfg.batch_size_lm
-        if not whole_samples:
+        if not self.whole_samples and not self.whole_groups:
             order = torch.arange(batch.num_rows)
             if shuffle:
                 order = torch.randperm(batch.num_rows, generator=self._generator(step + 1))
             return [batch.select_rows(order[i:i + size]) for i in range(0, batch.num_rows, size)]
-        samples = torch.unique(batch.row_sample)
+        row_key = batch.row_sample
+        if self.whole_groups:
+            row_key = torch.zeros(batch.num_rows, dtype=torch.long).index_put_((batch.rows,), batch.extra["group"])
+        keys = torch.unique(row_key)
         if shuffle:
-            samples = samples[torch.randperm(len(samples), generator=self._generator(step + 1))]
+            keys = keys[torch.randperm(len(keys), generator=self._generator(step + 1))]
         groups: list[list[Tensor]] = []
-        for sample in samples.tolist():
-            rows = (batch.row_sample == sample).nonzero().squeeze(1)
+        for key in keys.tolist():
+            rows = (row_key == key).nonzero().squeeze(1)
             if not groups or sum(len(r) for r in groups[-1]) + len(rows) > size:
                 groups.append([])
             groups[-1].append(rows)
         return [batch.select_rows(torch.cat(group)) for group in groups]
+
+    def _row_chunks(self, batch: TrainBatch) -> list[TrainBatch]:
+        """Consecutive chunks of ``batch_size_lm`` rows (for no-grad log-probs, where no loss combines rows)."""
+        size = self.cfg.batch_size_lm
+        return [batch.select_rows(torch.arange(i, min(i + size, batch.num_rows))) for i in range(0, batch.num_rows,
+                                                                                                  size)]
 
     def optimizer_step(self, micro: list[TrainBatch]) -> dict[str, float]:
         """Accumulate gradients over the micro-batches, clip, step once, advance the LR schedule once."""

@@ -195,6 +195,8 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
     level = torch.cat([row.level for row in rows]) if rows else torch.ones(0)
     gather = _per_sample_gather(samples, sample_index, resp_index)
     resp_len = torch.tensor([len(sample.resp) for sample in samples], dtype=torch.float32)
+    group_of = {}
+    sample_group = torch.tensor([group_of.setdefault(s.group_id, len(group_of)) for s in samples], dtype=torch.long)
     weights = _weights(unit, samples, cfg.loss_norm or algorithm.loss_norm)
     return TrainBatch(
         input_ids=tensors.input_ids, position_ids=tensors.position_ids, layout=tensors.layout,
@@ -207,7 +209,9 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
         steps=torch.cat([row.steps for row in rows]) if rows else _empty(), unit=unit,
         sample_ids=[sample.sample_id for sample in samples], num_units=int(unit.max()) + 1 if len(unit) else 0,
         exact=exact, dropped=dropped, extra={"level": level, "resp_len": resp_len[sample_index],
-                                             "batch_resp_len": resp_len.sum().expand(len(token_cols)).clone()})
+                                             "batch_resp_len": resp_len.sum().expand(len(token_cols)).clone(),
+                                             "group": sample_group[sample_index] if rows else _empty(),
+                                             "batch_groups": torch.full((len(token_cols),), float(len(group_of)))})
 
 
 def _empty() -> Tensor:

@@ -45,6 +45,7 @@ REGISTRY: dict[str, Entry] = {
     "spg": Entry("train.algorithms.spg", display="SPG", advantages=("dr_grpo",)),
     "bgpo": Entry("train.algorithms.bgpo", display="BGPO"),
     "espo": Entry("train.algorithms.espo", display="ESPO", advantages=("rloo", "dr_grpo")),
+    "vrpo": Entry("train.algorithms.vrpo", display="VRPO"),
     "ebpo": Entry("train.algorithms.ebpo", display="EBPO", attention=("block",),
                   why="it noises every block on its own in one block-causal forward (use espo or bgpo)"),
     "semi_ar": Entry("train.algorithms.semi_ar", rl=False, elbo_weight=True),

@@ -130,7 +130,8 @@ class Needs:
     """What an algorithm needs besides the trajectories and their advantages."""
 
     old_logprobs: str  # "sampler": recorded at rollout when the view is exact; "recompute": a no-grad forward; "none"
-    reference_model: str = "optional"  # "optional": a frozen reference model when training.ref_beta > 0; "none"
+    # "optional": a frozen reference model when training.ref_beta > 0; "required": always loaded; "none"
+    reference_model: str = "optional"
     inner_iterations: str = "training.num_train_epochs"  # passes over one step's rows ("" = one)
     monte_carlo_draws: str = ""  # the setting that counts random draws per sample ("" = none: deterministic units)
     # every inner iteration draws its own masks (old log-probs of every iteration computed before any update), as
@@ -139,6 +140,7 @@ class Needs:
     # the loss combines several trained tokens of one sample (a sequence ratio, a per-token mix of units), so a
     # micro-batch holds whole samples
     whole_samples: bool = False
+    whole_groups: bool = False  # a micro-batch holds all rows of its prompt groups (losses over pairs of responses)
 
 
 class Algorithm:
