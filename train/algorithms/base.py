@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from train.algorithms import attention_refusal
 from train.layouts import Segment
 from train.loss import LossOutput, policy_loss
 from train.samples import Sample
@@ -168,8 +169,6 @@ class Algorithm:
     def refusal(self, ids: ModelTraits) -> str:
         """One line saying why this algorithm cannot train a model with these traits ("" when it can); the
         registry's attention kinds are checked here, so a view refuses what config loading refuses."""
-        from train.algorithms import attention_refusal
-
         return attention_refusal(self.name, ids.attention)
 
     def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:

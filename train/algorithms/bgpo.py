@@ -24,7 +24,7 @@ from train.algorithms.base import (
     masked_response_full_units,
     stratified_masks,
 )
-from train.algorithms.espo import sequence_metrics
+from train.algorithms.sequence_elbo import sequence_metrics
 from train.batch import TrainBatch
 from train.loss import LOG_RATIO_CLAMP, LossOutput
 from train.samples import Sample

@@ -16,8 +16,7 @@ import torch
 from torch import Tensor
 
 from train.algorithms.base import RESPONSE, Algorithm, BlockGeometry, Needs, Units, masked_response_block_units
-from train.algorithms.espo import sequence_metrics
-from train.algorithms.sequence_elbo import clipped_surrogate, first_per_sample, per_sample_elbo
+from train.algorithms.sequence_elbo import clipped_surrogate, first_per_sample, per_sample_elbo, sequence_metrics
 from train.batch import TrainBatch
 from train.loss import LossOutput, kl_estimate
 from train.settings import LossConfig, ViewConfig

@@ -23,7 +23,7 @@ from train.algorithms.base import (
     masked_response_full_units,
     stratified_masks,
 )
-from train.algorithms.sequence_elbo import clipped_surrogate, first_per_sample, per_sample_elbo
+from train.algorithms.sequence_elbo import clipped_surrogate, first_per_sample, per_sample_elbo, sequence_metrics
 from train.batch import TrainBatch
 from train.loss import LossOutput
 from train.samples import Sample
@@ -66,15 +66,6 @@ class ESPO(Algorithm):
             _, elbo_ref = per_sample_elbo(logp_ref.to(device, dtype), index, unit, level)
             loss = loss + cfg.ref_beta * per_sample * ((elbo - elbo_ref) ** 2 / (2 * length)).sum()
         return LossOutput(loss, sequence_metrics(loss, pg, ratio, cfg))
-
-
-def sequence_metrics(loss: Tensor, pg: Tensor, ratio: Tensor, cfg: LossConfig) -> dict[str, float]:
-    """Loss parts and ratio statistics of a sequence-level loss (``tokens`` counts samples here)."""
-    high = cfg.eps if cfg.eps_high is None else cfg.eps_high
-    values = torch.stack([loss.detach(), pg.detach(), ratio.detach().sum(),
-                          ((ratio < 1 - cfg.eps) | (ratio > 1 + high)).sum().to(ratio.dtype)]).tolist()
-    return {"loss": values[0], "policy_loss": values[1], "ratio_sum": values[2], "clip_count": values[3],
-            "tokens": float(len(ratio))}
 
 
 ALGORITHM = ESPO()

@@ -1,5 +1,6 @@
-"""Shared by the algorithms whose ratio is one per sample, of a Monte-Carlo ELBO (ESPO, EBPO): the per-sample ELBO
-estimate from a micro-batch's trained-token entries, and the sequence-level clipped surrogate."""
+"""Shared by the algorithms whose ratio is one per sample or draw, of a Monte-Carlo ELBO (ESPO, EBPO, BGPO, VRPO): the
+per-sample ELBO estimate from a micro-batch's trained-token entries, the sequence-level clipped surrogate and its
+metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from torch import Tensor
 
 from train.loss import LOG_RATIO_CLAMP
+from train.settings import LossConfig
 
 
 def per_sample_elbo(logp: Tensor, sample_index: Tensor, unit: Tensor, level: Tensor) -> tuple[Tensor, Tensor]:
@@ -37,3 +39,12 @@ def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, eps: float, eps_hig
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     high = eps if eps_high is None else eps_high
     return torch.minimum(ratio * advantages, torch.clamp(ratio, 1 - eps, 1 + high) * advantages), ratio
+
+
+def sequence_metrics(loss: Tensor, pg: Tensor, ratio: Tensor, cfg: LossConfig) -> dict[str, float]:
+    """Loss parts and ratio statistics of a sequence-level loss (``tokens`` counts samples here)."""
+    high = cfg.eps if cfg.eps_high is None else cfg.eps_high
+    values = torch.stack([loss.detach(), pg.detach(), ratio.detach().sum(),
+                          ((ratio < 1 - cfg.eps) | (ratio > 1 + high)).sum().to(ratio.dtype)]).tolist()
+    return {"loss": values[0], "policy_loss": values[1], "ratio_sum": values[2], "clip_count": values[3],
+            "tokens": float(len(ratio))}
