@@ -39,7 +39,7 @@ from train.settings import (
     SFTTrainingConfig,
 )
 
-__all__ = ["ConfigError", "load_config", "load_config_or_exit", "dump_config", "job_kind", "SCHEMAS",
+__all__ = ["ConfigError", "load_config", "load_config_or_exit", "job_kind", "SCHEMAS",
            "RLConfig", "EvalConfig", "SFTConfig", "ServeConfig", "DEMO_MODEL_DIRS"]
 
 ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada", "sdar_moe"]
@@ -491,13 +491,6 @@ def config_text(cfg: Any) -> str:
     import yaml
 
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def dump_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
-    """Write `cfg` as YAML to `path` atomically (temp file + rename); return the path."""
-    from core.files import write_atomic
-
-    return write_atomic(path, config_text(cfg))
 
 
 def job_kind(path: str | os.PathLike[str]) -> str:

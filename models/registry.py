@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from core.errors import UserError
-from models.common import AttentionLayout, KVCache, predicting_columns
+from models.common import AttentionLayout, KVCache
 from models.dream import DreamConfig, DreamModel
 from models.kinds import ATTENTION_OF
 from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
@@ -115,10 +115,6 @@ class Adapter:
 
     def new_cache(self) -> KVCache:
         return self.model.new_cache()
-
-    def predicting_index(self, index: Tensor) -> Tensor:
-        """Index of the hidden state whose logits predict the token at ``index`` (index - 1 when shifted)."""
-        return predicting_columns(index, self.shift_logits)
 
     def encode_chat(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat prompt rendered with the tokenizer's chat template (a str is one user turn).

@@ -64,9 +64,6 @@ class Trajectory:
         """Fully correct: the right answer, or every test passed."""
         return self.score is not None and self.score >= 1.0
 
-    @property
-    def num_steps(self) -> int:
-        return max(self.step_map + self.tail_steps, default=0)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import SCHEMAS, ConfigError, dump_config, job_kind, load_config, load_config_or_exit, main
+from core.config import SCHEMAS, ConfigError, config_text, job_kind, load_config, load_config_or_exit, main
 from core.schema import to_dict
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams
@@ -60,7 +60,8 @@ def test_shipped_config_validates_and_round_trips(path, tmp_path):
     assert notes.getvalue() == ""  # our own files carry no key without effect
     assert cfg.experiment.project == path.stem
     assert isinstance(cfg, SCHEMAS[kind])
-    dumped = dump_config(cfg, tmp_path / "step_1" / "config.yaml")
+    dumped = tmp_path / "config.yaml"
+    dumped.write_text(config_text(cfg))
     again = load_config([f"config={dumped}"], kind)
     assert to_dict(again) == to_dict(cfg)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from models.common import AttentionLayout
+from models.common import AttentionLayout, predicting_columns
 from models.registry import ModelLoadError, load_model, make_adapter
 from models.tiny import save_tiny_checkpoint
 
@@ -109,7 +109,7 @@ def test_block_causality(tiny):
 def test_dream_shift_convention(tiny):
     a = tiny("dream")
     assert a.shift_logits and a.attention == "full"
-    assert a.predicting_index(torch.tensor([5])).item() == 4
+    assert predicting_columns(torch.tensor([5]), a.shift_logits).item() == 4
     a.model.train()
     ids = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(2))
     # The model forward itself is unshifted (HF convention): logits[i] scores token i+1 under the adapter.

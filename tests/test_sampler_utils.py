@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from models.common import AttentionLayout
+from models.common import AttentionLayout, predicting_columns
 from models.tiny import build_tiny
 from sample.kv_batch import BatchKVCache
 from sample.strategies import block_schedule, split_steps
@@ -146,7 +146,7 @@ def replay_full(adapter, traj: Trajectory, block_length: int, total_steps: int |
         ids = prompt + [t if st < s else mask for t, st in zip(toks, stps)]
         logits = _forward_logits(adapter, ids, lambda pos: AttentionLayout.full(torch.ones_like(pos, dtype=bool)))
         n_forwards += 1
-        pred = [max(adapter.predicting_index(torch.tensor(p_len + i)).item(), 0) for i in range(gen)]
+        pred = [max(predicting_columns(torch.tensor(p_len + i), adapter.shift_logits).item(), 0) for i in range(gen)]
         logp = logits.log_softmax(-1)
         tokens, conf, _ = greedy_draw(logits, mask)
         committed = {i for i in range(gen) if stps[i] == s}

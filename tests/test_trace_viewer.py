@@ -335,7 +335,7 @@ def test_browser_renders_and_replays(tok, tmp_path):
     b = _traj(tok, "Short answer: \\boxed{12}.", sample_id="b", seed=5, tail=0)
     page = tmp_path / "trace.html"
     page.write_text(build_trace_html([a, b], tok), encoding="utf-8")
-    n, T = len(a.response_ids), a.num_steps
+    n, T = len(a.response_ids), max(a.step_map + a.tail_steps)
     mid = T // 2
 
     revealed = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from train.logprobs import full_logits_logprobs, gathered_logprobs
-from train.loss import LossConfig, kl_estimate, policy_loss, summarize
+from train.loss import LossConfig, finalize_metrics, kl_estimate, policy_loss
 from train.schedules import LRSchedule, lr_factor
 
 
@@ -20,8 +20,8 @@ def test_loss_with_equal_logprobs_is_minus_weighted_advantage_and_zero_kl():
     out = policy_loss(logp.clone().requires_grad_(), logp, adv, w, LossConfig(beta=0.5, eps=0.2))
     assert out.loss.item() == pytest.approx(float(-(w * adv).sum()), abs=1e-6)
     assert out.metrics["kl_loss"] == pytest.approx(0.0, abs=1e-7)
-    assert summarize([out.metrics])["ratio_mean"] == pytest.approx(1.0)
-    assert summarize([out.metrics])["clip_frac"] == 0.0
+    assert finalize_metrics(out.metrics)["ratio_mean"] == pytest.approx(1.0)
+    assert finalize_metrics(out.metrics)["clip_frac"] == 0.0
 
 
 def test_clipped_case_by_hand():
@@ -39,7 +39,7 @@ def test_clipped_case_by_hand():
     torch.testing.assert_close(kl_estimate(new, old), k3)
     out_kl = policy_loss(new, old, adv, w, LossConfig(eps=0.2, beta=0.1))
     assert out_kl.loss.item() == pytest.approx(out.loss.item() + 0.1 * float((w * k3).sum()), abs=1e-6)
-    assert summarize([out.metrics])["clip_frac"] == 1.0
+    assert finalize_metrics(out.metrics)["clip_frac"] == 1.0
     # the clamped log-ratio keeps exp finite however far the policies drift
     far = policy_loss(torch.tensor([100.0]), torch.tensor([0.0]), torch.tensor([-1.0]), torch.ones(1),
                       LossConfig(beta=1.0))

@@ -97,7 +97,3 @@ def finalize_metrics(total: dict[str, float]) -> dict[str, float]:
             total[name] = total.pop(key) / n
     return total
 
-
-def summarize(metrics: list[dict[str, float]]) -> dict[str, float]:
-    """Combine micro-batch metrics of one process: sum losses and counts, turn token sums into means."""
-    return finalize_metrics(sum_metrics(metrics))
