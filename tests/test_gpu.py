@@ -46,7 +46,7 @@ def test_flex_attention_equals_sdpa_in_training(tiny):
     for backend in ("sdpa", "flex"):
         adapter.model.config.attn_backend = backend
         trainer = make_trainer(adapter)
-        batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
+        batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.traits)
         out[backend] = trainer.logprobs(batch)
     torch.testing.assert_close(out["flex"], out["sdpa"], atol=1e-4, rtol=0)
 
@@ -69,7 +69,7 @@ def test_bf16_sampler_logprobs_match_the_trainer(tiny, demo_tokenizer):
     adapter = on(tiny("sdar", seed=1), "cuda", torch.bfloat16)
     trajs = sampled(adapter, [demo_tokenizer.encode(p) for p in PROMPTS], max_tokens=15, denoising_steps=3)
     trainer = make_trainer(adapter)
-    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.traits)
     assert batch.exact and batch.num_tokens > 0
     diff = (trainer.logprobs(batch) - batch.old_logprobs).abs().max()
     assert diff < BF16_LOGP_TOLERANCE, float(diff)

@@ -344,7 +344,7 @@ def test_micro_batches_hold_whole_groups_or_whole_samples(tiny, rollouts, method
     monkeypatch.setattr(PolicyTrainer, "__init__", _with_reference(tiny("llada", seed=4).model))
     trainer = make_trainer(adapter, view=ViewConfig(method=method, mask_times_per_sample=2), micro_batch_size=1)
     trajs = rollouts["llada"]
-    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.traits)
     key = "group" if method == "vrpo" else None
     micro = trainer.micro_batches(batch, 0)
     assert sum(mb.num_rows for mb in micro) == batch.num_rows and len(micro) > 1

@@ -64,7 +64,7 @@ def test_sft_loss_equals_a_direct_computation_from_full_logits(tiny, method):
                sft_sample([30, 31], [40, 41, 42], "b")]
     cfg = SFTTrainingConfig(method=method, layout="per_round", samples_per_step=None, seed=1)
     trainer = SFTTrainer(adapter, cfg, OptimizerParams(), accelerator=build_accelerator())
-    batch = build_view(samples, {"a": 1.0, "b": 1.0}, trainer.cfg, trainer.ids)
+    batch = build_view(samples, {"a": 1.0, "b": 1.0}, trainer.cfg, trainer.traits)
     if method == "trace":  # rounds of the step map: block [20..23] at positions 4..7 has steps 1,2,3 -> 3 rounds
         assert batch.num_tokens == 9 and sorted(batch.steps[batch.sample_index == 0].tolist()) == [1, 2, 3, 3, 4, 5]
     else:  # random masking: every trained token is masked in its row's copy
@@ -84,7 +84,7 @@ def test_semi_ar_and_ar_views_of_full_attention_models(tiny):
     sample.block_size = 2
     cfg = SFTTrainingConfig(method="semi-ar", lower_p=1.0, upper_p=1.0, samples_per_step=None)
     semi = SFTTrainer(dream, cfg, OptimizerParams(), accelerator=build_accelerator())
-    batch = build_view([sample], {"a": 1.0}, semi.cfg, semi.ids)
+    batch = build_view([sample], {"a": 1.0}, semi.cfg, semi.traits)
     # blocks {0,1}, {2,3}, {4}: one row each; a row masks its block (ratio 1 here) and every later block
     assert batch.num_rows == 3 and batch.token_index.tolist() == [0, 1, 2, 3, 4]
     mask = dream.mask_id
@@ -93,7 +93,7 @@ def test_semi_ar_and_ar_views_of_full_attention_models(tiny):
     assert batch.input_ids[2, 3:].tolist() == [20, 21, 22, 23, mask]
     ar = SFTTrainer(dream, SFTTrainingConfig(method="ar", samples_per_step=None), OptimizerParams(),
                     accelerator=build_accelerator())
-    batch = build_view([sample], {"a": 1.0}, ar.cfg, ar.ids)
+    batch = build_view([sample], {"a": 1.0}, ar.cfg, ar.traits)
     assert batch.num_rows == 1 and batch.input_ids[0].tolist() == [5, 6, 7, 20, 21, 22, 23, 24]
     assert batch.cols.tolist() == [2, 3, 4, 5, 6]  # shifted: token i from the hidden state before it
     visible = batch.layout.dense_mask()[0, 0]
@@ -110,7 +110,7 @@ def test_full_attention_sft_loss_equals_a_direct_computation(tiny, base, method)
         s.block_size = 2
     trainer = SFTTrainer(adapter, SFTTrainingConfig(method=method, samples_per_step=None, seed=2), OptimizerParams(),
                          accelerator=build_accelerator())
-    batch = build_view(samples, {"a": 1.0, "b": 1.0}, trainer.cfg, trainer.ids)
+    batch = build_view(samples, {"a": 1.0, "b": 1.0}, trainer.cfg, trainer.traits)
     assert batch.num_tokens > 0
     with torch.no_grad():
         got = trainer.loss(batch, trainer.forward_logprobs(trainer.model, batch)).loss
@@ -202,7 +202,7 @@ if __name__ == "__main__":  # launched by the 2-process test: SFT, then a digest
 def _weights_of(adapter, samples, **cfg):
     trainer = SFTTrainer(adapter, SFTTrainingConfig(samples_per_step=None, layout="per_round", **cfg),
                          OptimizerParams(), accelerator=build_accelerator())
-    return build_view(samples, {s.sample_id: 1.0 for s in samples}, trainer.cfg, trainer.ids)
+    return build_view(samples, {s.sample_id: 1.0 for s in samples}, trainer.cfg, trainer.traits)
 
 
 @pytest.mark.parametrize("base", ["sdar", "llada"])

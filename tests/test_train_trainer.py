@@ -80,7 +80,7 @@ def test_trainer_logprobs_equal_sampler_logprobs_block_model(tiny, demo_tokenize
     trajs = sampled(adapter, prompts, max_tokens=15, denoising_steps=3, cache=cache,
                     remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.05)
     trainer = make_trainer(adapter, view=ViewConfig(layout=layout, max_gen_length=13))
-    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.traits)
     assert batch.exact and batch.num_tokens == sum(min(len(t.response_ids), 13) for t in trajs)
     torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
 
@@ -91,7 +91,7 @@ def test_trainer_logprobs_equal_sampler_logprobs_full_attention(tiny, demo_token
     prompts = [demo_tokenizer.encode(p) for p in PROMPTS] + [[]]  # an empty prompt: shifted first token
     trajs = sampled(adapter, prompts, max_tokens=12, block_size=4, steps=8, cache="none")
     trainer = make_trainer(adapter)
-    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.traits)
     assert batch.exact and batch.num_tokens == sum(len(t.response_ids) for t in trajs)
     torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
 
@@ -128,7 +128,7 @@ def test_packed_and_per_round_layouts_give_equal_loss_and_gradients(tiny):
     trainer = make_trainer(adapter, micro_batch_size=2, loss=LossConfig(beta=0.05, eps=0.2))
     results = {}
     for layout in ("packed", "per_round"):
-        batch = build_view(trajs, adv, ViewConfig(layout=layout), trainer.ids)
+        batch = build_view(trajs, adv, ViewConfig(layout=layout), trainer.traits)
         results[layout] = (batch.num_rows, *_loss_and_grads(trainer, batch))
     (rows_p, loss_p, grads_p), (rows_r, loss_r, grads_r) = results["packed"], results["per_round"]
     assert rows_p == 3 and rows_r > rows_p
@@ -143,8 +143,8 @@ def test_packed_rows_under_a_token_budget_give_the_per_round_loss_and_gradients(
     trajs = fake_batch(adapter, n=3)
     adv = {t.sample_id: float(a) for t, a in zip(trajs, (1.0, -0.5, 2.0))}
     trainer = make_trainer(adapter, micro_batch_size=2, loss=LossConfig(beta=0.05, eps=0.2))
-    budgeted = build_view(trajs, adv, ViewConfig(max_row_tokens=40), trainer.ids)
-    per_round = build_view(trajs, adv, ViewConfig(layout="per_round"), trainer.ids)
+    budgeted = build_view(trajs, adv, ViewConfig(max_row_tokens=40), trainer.traits)
+    per_round = build_view(trajs, adv, ViewConfig(layout="per_round"), trainer.traits)
     assert 3 < budgeted.num_rows < per_round.num_rows
     loss_b, grads_b = _loss_and_grads(trainer, budgeted)
     loss_r, grads_r = _loss_and_grads(trainer, per_round)
@@ -176,7 +176,7 @@ def test_one_step_with_positive_advantages_raises_logprobs(tiny):
     trajs = fake_batch(adapter, n=3, seed=6)
     adv = {t.sample_id: 1.0 for t in trajs}
     trainer = make_trainer(adapter, learning_rate=3e-3, old_logp="recompute", micro_batch_size=2)
-    batch = build_view(trajs, adv, trainer.cfg, trainer.ids)
+    batch = build_view(trajs, adv, trainer.cfg, trainer.traits)
     before = trainer.logprobs(batch)
     (metrics,) = trainer.train_step(trajs, adv)
     after = trainer.logprobs(batch)
@@ -239,7 +239,7 @@ def test_larger_sampling_block_trains_on_its_own_blocks(tiny, demo_tokenizer, la
                     remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.05)
     assert all(t.block_size == 8 for t in trajs)
     trainer = make_trainer(adapter, view=ViewConfig(layout=layout))
-    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.ids)
+    batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.traits)
     blocks_of = {}  # a block of 8 absolute positions may hold tokens of up to 5 distinct steps
     for t in trajs:
         for i, step in enumerate(t.step_map):

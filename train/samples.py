@@ -47,7 +47,7 @@ class Sample:
 
 
 def prepare_samples(trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
-                    cfg: ViewConfig, ids: ModelTraits) -> tuple[list[Sample], list[tuple[str, str]]]:
+                    cfg: ViewConfig, traits: ModelTraits) -> tuple[list[Sample], list[tuple[str, str]]]:
     """Filter (over-long prompt, empty response), truncate and attach advantages BY sample_id (the reference indexes
     rewards by row after dropping rows, Gen-Verse/dLLM-RL train/rl_trado.py)."""
     seen: set[str] = set()
@@ -59,15 +59,15 @@ def prepare_samples(trajectories: Sequence[Trajectory], advantages: Mapping[str,
         seen.add(sample_id)
         if sample_id not in advantages:
             raise ValueError(f"no advantage for sample_id {sample_id!r}")
-        reason = _drop_reason(traj, cfg, ids)
+        reason = _drop_reason(traj, cfg, traits)
         if reason:
             dropped.append((sample_id, reason))
             continue
-        samples.append(_prepare_one(traj, advantages[sample_id], cfg, ids))
+        samples.append(_prepare_one(traj, advantages[sample_id], cfg, traits))
     return samples, dropped
 
 
-def _drop_reason(traj: Trajectory, cfg: ViewConfig, ids: ModelTraits) -> str:
+def _drop_reason(traj: Trajectory, cfg: ViewConfig, traits: ModelTraits) -> str:
     if cfg.max_prompt_len is not None and len(traj.prompt_ids) > cfg.max_prompt_len:
         return f"prompt has {len(traj.prompt_ids)} tokens > max_prompt_len {cfg.max_prompt_len}"
     if not traj.response_ids:
@@ -77,7 +77,7 @@ def _drop_reason(traj: Trajectory, cfg: ViewConfig, ids: ModelTraits) -> str:
     return ""
 
 
-def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig, ids: ModelTraits) -> Sample:
+def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig, traits: ModelTraits) -> Sample:
     fields = {name: torch.tensor(getattr(traj, name), dtype=torch.long)
               for name in ("prompt_ids", "response_ids", "step_map", "tail_ids", "tail_steps")}
     resp, steps, tail, tail_steps = fields["response_ids"], fields["step_map"], fields["tail_ids"], fields["tail_steps"]
@@ -86,20 +86,20 @@ def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig
     kept = len(resp) if cfg.max_gen_length is None else min(len(resp), cfg.max_gen_length)
     truncated = kept < len(resp)
     if truncated:  # cut tokens stay context (tail) for block models; full attention drops them (view inexact)
-        keep_cut = ids.attention == "block"
+        keep_cut = traits.attention == "block"
         tail = torch.cat([resp[kept:], tail]) if keep_cut else tail[:0]
         tail_steps = torch.cat([steps[kept:], tail_steps]) if keep_cut else tail_steps[:0]
         resp, steps, adv_vector, logp = resp[:kept], steps[:kept], adv_vector[:kept], logp[:kept]
     prompt = fields["prompt_ids"]
     # Block models train on the blocks the sample was decoded with (the sampling block size may differ from the
     # model's own, e.g. when TraceRL adapts a block-4 model to block 8).
-    block = traj.block_size or ids.block_size  # (full attention: the semi-AR block of SFT, else unused)
-    if ids.attention == "block":  # the tail only matters inside the final response block
+    block = traj.block_size or traits.block_size  # (full attention: the semi-AR block of SFT, else unused)
+    if traits.attention == "block":  # the tail only matters inside the final response block
         end = ((len(prompt) + kept - 1) // block + 1) * block
         keep = max(end - len(prompt) - kept, 0)
         tail, tail_steps = tail[:keep], tail_steps[:keep]
     stop = traj.finish_reason in ("eos", "stop") and not truncated  # the sampler cut right after the stop token
-    trainable = _trainable(resp, ids.pad_id, cfg.post_num, stop)
+    trainable = _trainable(resp, traits.pad_id, cfg.post_num, stop)
     return Sample(traj.sample_id, prompt, resp, steps, tail, tail_steps, logp, adv_vector, trainable, truncated,
                   block, traj.group_id or traj.sample_id)
 

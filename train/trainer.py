@@ -59,7 +59,7 @@ class Trainer:
         self.adapter, self.cfg = adapter, cfg
         opt = optimizer or OptimizerParams()
         sched = lr_scheduler or LRSchedulerConfig()
-        self.ids = ModelTraits.from_adapter(adapter)
+        self.traits = ModelTraits.from_adapter(adapter)
         self.accelerator = accelerator or _default_accelerator(cfg)
         if cfg.enable_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -123,7 +123,7 @@ class Trainer:
         n_steps = math.ceil(per_process / per_step)
         view_cfg = replace_settings(self.cfg, seed=self.cfg.seed + 7919 * self.rl_step + acc.process_index
                                     + 104_729 * epoch)
-        batches = [build_view(shard[i * per_step:(i + 1) * per_step], advantages, view_cfg, self.ids)
+        batches = [build_view(shard[i * per_step:(i + 1) * per_step], advantages, view_cfg, self.traits)
                    for i in range(n_steps)]
         self.dropped = [d for b in batches for d in b.dropped]
         if self.dropped:

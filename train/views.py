@@ -51,7 +51,7 @@ __all__ = ["ModelTraits", "TrainBatch", "ViewConfig", "build_view"]
 # ---------------------------------------------------------------- block models: units -> packed / per-round rows
 
 
-def _block_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: ViewConfig, ids: ModelTraits,
+def _block_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: ViewConfig, traits: ModelTraits,
                 gen: torch.Generator) -> list[Row]:
     block_size = sample.block
     geometry = block_geometry(sample, block_size)
@@ -68,10 +68,10 @@ def _block_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: Vi
         units.masked[:, geometry.kind == PROMPT] |= units.prompt_masked[:, len(sample.prompt) - _prompt_tail(geometry):]
     rows = []
     for group in _pack_units(clean_len, units.in_copy.sum(1).tolist(), budget):
-        copies = [_copy_segment(geometry, units, unit, ids.mask_id, copy + 1) for copy, unit in enumerate(group)]
+        copies = [_copy_segment(geometry, units, unit, traits.mask_id, copy + 1) for copy, unit in enumerate(group)]
         clean = clean_ids[:max(clean_len[unit] for unit in group)]
         if units.prompt_masked is not None:
-            clean = _masked_prompt(clean, units.prompt_masked[group[0]], ids.mask_id)
+            clean = _masked_prompt(clean, units.prompt_masked[group[0]], traits.mask_id)
         rows.append(_assemble(sample, sample_index, clean, block_size, copies, group, units))
     return rows
 
@@ -143,9 +143,9 @@ def _assemble(sample: Sample, sample_index: int, clean_ids: Tensor, block_size: 
 # ---------------------------------------------------------------- full attention: one row per unit
 
 
-def _full_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: ViewConfig, ids: ModelTraits,
+def _full_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: ViewConfig, traits: ModelTraits,
                gen: torch.Generator) -> list[Row]:
-    direct = algorithm.full_rows(sample, sample_index, cfg, ids, gen)
+    direct = algorithm.full_rows(sample, sample_index, cfg, traits, gen)
     if direct is not None:
         return direct
     units = _noised_prompts(algorithm.full_units(sample, cfg, gen).nonempty(), sample, cfg, algorithm, gen)
@@ -153,9 +153,9 @@ def _full_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: Vie
     generated = torch.cat([sample.resp, sample.tail])
     rows = []
     for unit in range(len(units.masked)):
-        sequence = torch.cat([sample.prompt, torch.where(units.masked[unit], ids.mask_id, generated)])
+        sequence = torch.cat([sample.prompt, torch.where(units.masked[unit], traits.mask_id, generated)])
         if units.prompt_masked is not None:
-            sequence = _masked_prompt(sequence, units.prompt_masked[unit], ids.mask_id)
+            sequence = _masked_prompt(sequence, units.prompt_masked[unit], traits.mask_id)
         hit = units.trained[unit].nonzero().squeeze(1)
         rows.append(Row([clean_segment(sequence, None)], sample_index, prompt_len + hit, hit,
                         torch.full_like(hit, unit), units.steps[hit], units.level[unit, hit]))
@@ -166,25 +166,25 @@ def _full_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: Vie
 
 
 def build_view(trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
-               cfg: ViewConfig, ids: ModelTraits) -> TrainBatch:
+               cfg: ViewConfig, traits: ModelTraits) -> TrainBatch:
     """The training batch of ``trajectories`` under ``cfg`` (its ``method`` names the algorithm)."""
     algorithm = algorithm_named(cfg.method)
-    refusal = algorithm.refusal(ids)
+    refusal = algorithm.refusal(traits)
     if refusal:
         raise ValueError(refusal)
-    samples, dropped = prepare_samples(trajectories, advantages, cfg, ids)
+    samples, dropped = prepare_samples(trajectories, advantages, cfg, traits)
     gen = torch.Generator().manual_seed(cfg.seed)
-    make_rows = _block_rows if ids.attention == "block" else _full_rows
+    make_rows = _block_rows if traits.attention == "block" else _full_rows
     rows: list[Row] = []
     for sample_index, sample in enumerate(samples):
-        rows.extend(make_rows(sample, sample_index, algorithm, cfg, ids, gen))
-    return _finish(rows, samples, dropped, cfg, ids, algorithm)
+        rows.extend(make_rows(sample, sample_index, algorithm, cfg, traits, gen))
+    return _finish(rows, samples, dropped, cfg, traits, algorithm)
 
 
 def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str]], cfg: ViewConfig,
-            ids: ModelTraits, algorithm: Algorithm) -> TrainBatch:
-    exact = algorithm.exact(cfg, ids, samples) and not prompt_mask_p(cfg, algorithm)
-    tensors = collate_rows([row.segments for row in rows], ids.pad_id)
+            traits: ModelTraits, algorithm: Algorithm) -> TrainBatch:
+    exact = algorithm.exact(cfg, traits, samples) and not prompt_mask_p(cfg, algorithm)
+    tensors = collate_rows([row.segments for row in rows], traits.pad_id)
     n_tok = [len(row.cols) for row in rows]
     sample_index = (torch.cat([torch.full((count,), row.sample) for row, count in zip(rows, n_tok)]) if rows
                     else _empty())
@@ -202,7 +202,7 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
         input_ids=tensors.input_ids, position_ids=tensors.position_ids, layout=tensors.layout,
         row_sample=torch.tensor([row.sample for row in rows], dtype=torch.long),
         rows=torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(n_tok, dtype=torch.long)),
-        cols=predicting_columns(token_cols, ids.shift_logits, first=0), token_cols=token_cols,
+        cols=predicting_columns(token_cols, traits.shift_logits, first=0), token_cols=token_cols,
         labels=gather("resp"), advantages=gather("adv"), old_logprobs=gather("logp") if exact else
         torch.full((len(token_cols),), math.nan), weights=weights / level if cfg.elbo_weight else weights,
         sample_index=sample_index, token_index=resp_index,

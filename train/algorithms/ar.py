@@ -16,13 +16,13 @@ class AR(Algorithm):
     name = "ar"
     needs = Needs(old_logprobs="none", reference_model="none")
 
-    def refusal(self, ids) -> str:
-        if ids.shift_logits:
+    def refusal(self, traits) -> str:
+        if traits.shift_logits:
             return ""
         return ("the ar view needs a model with shifted logits (Dream / DiffuCoder): an unshifted model would see "
                 "the token it predicts")
 
-    def full_rows(self, sample: Sample, sample_index: int, cfg, ids, gen) -> list[Row]:
+    def full_rows(self, sample: Sample, sample_index: int, cfg, traits, gen) -> list[Row]:
         sequence = torch.cat([sample.prompt, sample.resp])
         hit = sample.trainable.nonzero().squeeze(1)
         return [Row([clean_segment(sequence, 1)], sample_index, len(sample.prompt) + hit, hit, torch.zeros_like(hit),

@@ -166,10 +166,10 @@ class Algorithm:
         """The per-sample quantity the loss multiplies (default: the advantages as the reward computed them)."""
         return advantages
 
-    def refusal(self, ids: ModelTraits) -> str:
+    def refusal(self, traits: ModelTraits) -> str:
         """One line saying why this algorithm cannot train a model with these traits ("" when it can); the
         registry's attention kinds are checked here, so a view refuses what config loading refuses."""
-        return attention_refusal(self.name, ids.attention)
+        return attention_refusal(self.name, traits.attention)
 
     def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
         """Units of a block-attention sample."""
@@ -179,11 +179,11 @@ class Algorithm:
         """Units of a full-attention sample (one row each)."""
         raise NotImplementedError
 
-    def full_rows(self, sample: Sample, sample_index: int, cfg: ViewConfig, ids: ModelTraits,
+    def full_rows(self, sample: Sample, sample_index: int, cfg: ViewConfig, traits: ModelTraits,
                   gen: torch.Generator) -> list[Row] | None:
         """Rows of a full-attention sample built directly (None: one row per unit of ``full_units``)."""
         return None
 
-    def exact(self, cfg: ViewConfig, ids: ModelTraits, samples: Sequence[Sample]) -> bool:
+    def exact(self, cfg: ViewConfig, traits: ModelTraits, samples: Sequence[Sample]) -> bool:
         """True when the rows reproduce the sampler's states, so its recorded log-probs are the old ones."""
         return False

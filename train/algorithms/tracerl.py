@@ -80,8 +80,8 @@ class TraceRL(Algorithm):
         trained = (rank[:resp_len][None] == rounds[:, None]) & sample.trainable[None]
         return full_attention_units(masked, trained, collapsed, torch.ones(masked.shape))
 
-    def exact(self, cfg, ids, samples) -> bool:
-        return cfg.shrink == 1 and not (ids.attention == "full" and any(sample.truncated for sample in samples))
+    def exact(self, cfg, traits, samples) -> bool:
+        return cfg.shrink == 1 and not (traits.attention == "full" and any(sample.truncated for sample in samples))
 
 
 ALGORITHM = TraceRL()
