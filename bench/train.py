@@ -106,13 +106,13 @@ def run_one(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     model = build_model(args)
-    ids = ModelTraits(mask_id=args.vocab - 1, pad_id=0, attention="block", block_size=args.block)
+    traits = ModelTraits(mask_id=args.vocab - 1, pad_id=0, attention="block", block_size=args.block)
     n = args.samples + 1
     trajs = trajectories(args, n)
     budget = args.row_budget or args.l0 + 3 * args.l1  # the clean sequence + 2 noisy copies
     view = ViewConfig(layout="packed", max_row_tokens=budget) if args.layout == "budget" else ViewConfig(
         layout=args.layout)
-    batches = [build_view([t], {t.sample_id: 1.0}, view, ids) for t in trajs]
+    batches = [build_view([t], {t.sample_id: 1.0}, view, traits) for t in trajs]
     micro = [[b.select_rows([r]) for r in range(b.num_rows)] for b in batches]
     loss_cfg = LossConfig(beta=0.01)
 
