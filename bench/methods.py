@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import train.algorithms as algorithms
 from core.errors import UserError
-from train.algorithms import REGISTRY, RL_METHODS, advantage_refusal, canonical_method
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = "configs/demo/rl_demo.yaml"
@@ -69,12 +69,12 @@ def selected_methods(spec: str | None) -> list[str]:
     """The registry names to compare: every RL method of the registry, or the comma-separated ``spec`` (any
     spelling the registry accepts; an SFT-only method is kept and shows up as refused)."""
     if not spec:
-        return list(RL_METHODS)
+        return list(algorithms.RL_METHODS)  # read now: the registry is the list
     out = []
     for word in (w.strip() for w in spec.split(",") if w.strip()):
-        name = canonical_method(word)
+        name = algorithms.canonical_method(word)
         if name is None:
-            raise BenchError(f"--methods: unknown method {word!r}; the registry has {', '.join(REGISTRY)}")
+            raise BenchError(f"--methods: unknown method {word!r}; the registry has {', '.join(algorithms.REGISTRY)}")
         if name not in out:
             out.append(name)
     if not out:
@@ -95,9 +95,9 @@ def selected_tasks(spec: str | None, quick: bool) -> list[str]:
 
 def advantage_overrides(method: str, advantage: str) -> list[str]:
     """``reward.advantage=<first allowed>`` when ``method``'s estimator refuses the configured ``advantage``."""
-    if not advantage_refusal(method, advantage):
+    if not algorithms.advantage_refusal(method, advantage):
         return []
-    return [f"reward.advantage={REGISTRY[method].advantages[0]}"]
+    return [f"reward.advantage={algorithms.REGISTRY[method].advantages[0]}"]
 
 
 def job_argv(method: str, task: str, seed: int, args: argparse.Namespace, advantage: str) -> list[str]:
@@ -308,8 +308,8 @@ def orderings(cells: list[dict], baseline: str = BASELINE) -> list[str]:
         a, b = c["summary"]["gains"], base["summary"]["gains"]
         test = welch(a, b)
         c.setdefault("vs_baseline", test)
-        head = f"{method} vs {REGISTRY[baseline].display or baseline} on {task}: gain {sum(a) / len(a):+.3f} vs " \
-               f"{sum(b) / len(b):+.3f}"
+        name = algorithms.REGISTRY[baseline].display or baseline
+        head = f"{method} vs {name} on {task}: gain {sum(a) / len(a):+.3f} vs {sum(b) / len(b):+.3f}"
         if math.isnan(test["t"]):
             lines.append(f"{head}: not testable (needs >= 2 seeds each and some spread)")
             continue
