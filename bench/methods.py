@@ -37,6 +37,7 @@ from pathlib import Path
 
 import train.algorithms as algorithms
 from core.errors import UserError
+from core.files import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = "configs/demo/rl_demo.yaml"
@@ -272,6 +273,12 @@ def _gain(cell: dict) -> str:
     return f"{cell['gain']:+.3f} [{cell['gain_lo']:+.3f}, {cell['gain_hi']:+.3f}]"
 
 
+def _not_run(cell: dict) -> str:
+    if "refused" in cell:
+        return f"refused: {cell['refused']}"
+    return f"failed: {cell['failed']}" if "failed" in cell else "not run yet"
+
+
 HEADER = ("method", "task", "n", "before", "after", "gain [95% CI]", "s/step", "peak MB")
 
 
@@ -284,8 +291,7 @@ def format_table(cells: list[dict]) -> str:
             rows.append((c["method"], c["task"], str(s["n"]), _pm(s["before"]), _pm(s["after"]), _gain(s),
                          f"{s['s_per_step']:.2f}", f"{s['peak_mb']:.0f}"))
         else:
-            rows.append((c["method"], c["task"], "-", c.get("refused") and f"refused: {c['refused']}"
-                         or f"failed: {c['failed']}"))
+            rows.append((c["method"], c["task"], "-", _not_run(c)))
     widths = [max(len(r[i]) for r in rows if len(r) == len(HEADER) or i < 3) for i in range(len(HEADER))]
     out = []
     for r in rows:
@@ -307,7 +313,7 @@ def orderings(cells: list[dict], baseline: str = BASELINE) -> list[str]:
             continue
         a, b = c["summary"]["gains"], base["summary"]["gains"]
         test = welch(a, b)
-        c.setdefault("vs_baseline", test)
+        c["vs_baseline"] = test
         name = algorithms.REGISTRY[baseline].display or baseline
         head = f"{method} vs {name} on {task}: gain {sum(a) / len(a):+.3f} vs {sum(b) / len(b):+.3f}"
         if math.isnan(test["t"]):
@@ -337,7 +343,8 @@ def plot_curves(cells: list[dict], tasks: list[str], path: Path) -> None:
         ax.set_xlabel("RL step")
         ax.set_ylabel("held-out accuracy")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -389,27 +396,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_cell(method: str, task: str, args: argparse.Namespace, advantage: str) -> dict:
-    """Every seed of one (method, task): a refused config, a failed job, or the runs and their summary."""
-    cell: dict = {"method": method, "task": task}
-    refusal = config_refusal(job_argv(method, task, 1, args, advantage))
-    if refusal:
-        cell["refused"] = refusal
-        return cell
-    runs = []
+def run_task(task: str, methods: list[str], args: argparse.Namespace, advantage: str, save=None) -> list[dict]:
+    """Every (method, seed) of one task: per method a refused config, a failed job, or its runs and summary.
+    Seed-major order (every method's seed 1, then seed 2, ...), so a change of the machine's load over the
+    benchmark falls on every method alike; ``save(cells)`` after each job keeps partial results."""
+    cells = []
+    for method in methods:
+        cell: dict = {"method": method, "task": task, "overrides": advantage_overrides(method, advantage), "runs": []}
+        refusal = config_refusal(job_argv(method, task, 1, args, advantage))
+        if refusal:
+            cell["refused"] = refusal
+        cells.append(cell)
     for seed in range(1, args.seeds + 1):
-        argv = job_argv(method, task, seed, args, advantage)
-        root = Path(args.out) / "runs" / f"{method}-{task}-seed{seed}"
-        job = run_job(argv, Path(args.out) / "logs" / f"{method}-{task}-seed{seed}.log")
-        print(f"  {method} / {task} / seed {seed}: exit {job['rc']}, {job['wall_s']:.0f} s, "
-              f"peak RSS {job['peak_rss_mb']:.0f} MB", flush=True)
-        if job["rc"] != 0 or not (root / "metrics.jsonl").is_file():
-            cell["failed"] = f"seed {seed}: {job['last_line']}"
-            return cell
-        runs.append({"seed": seed, **job, **read_run(read_metrics(root / "metrics.jsonl"))})
-    cell["runs"], cell["summary"] = runs, summarise(runs)
-    cell["overrides"] = advantage_overrides(method, advantage)
-    return cell
+        for cell in (c for c in cells if "refused" not in c and "failed" not in c):
+            method, name = cell["method"], f"{cell['method']}-{task}-seed{seed}"
+            job = run_job(job_argv(method, task, seed, args, advantage), Path(args.out) / "logs" / f"{name}.log")
+            metrics = Path(args.out) / "runs" / name / "metrics.jsonl"
+            print(f"  {method} / {task} / seed {seed}: exit {job['rc']}, {job['wall_s']:.0f} s, "
+                  f"peak RSS {job['peak_rss_mb']:.0f} MB", flush=True)
+            if job["rc"] != 0 or not metrics.is_file():
+                cell["failed"] = f"seed {seed}: {job['last_line']}"
+            else:
+                cell["runs"].append({"seed": seed, **job, **read_run(read_metrics(metrics))})
+                cell["summary"] = summarise(cell["runs"])
+            if save is not None:
+                save(cells)
+    for cell in cells:
+        if "failed" in cell:
+            cell.pop("summary", None)  # a method that failed on a seed is not compared on the others
+    return cells
+
+
+def write_results(args: argparse.Namespace, device: str, cells: list[dict], tasks: list[str]) -> tuple[str, list]:
+    """results.json and curves.png of the cells so far; returns the table and the lines vs TraceRL."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table, lines = format_table(cells), orderings(cells)
+    plot_curves(cells, tasks, out / "curves.png")
+    settings = {k: v for k, v in vars(args).items() if k != "child"}
+    write_atomic(out / "results.json", json.dumps(_json_safe({"settings": settings, "device": device, "cells": cells,
+                                                              "table": table, "vs_baseline": lines}), indent=1))
+    return table, lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,10 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     from core.config import load_config
 
     advantage = load_config([f"config={BASE_CONFIG}"], "rl").reward.advantage
-    cells = [run_cell(m, t, args, advantage) for t in tasks for m in methods]
-    table = format_table(cells)
-    lines = orderings(cells)
-    counts = {n for c in cells for r in c.get("runs", []) for n in r["samples_per_step"]}
+    cells: list[dict] = []
+    for task in tasks:
+        done = list(cells)
+        cells = done + run_task(task, methods, args, advantage,
+                                save=lambda now, done=done: write_results(args, device, done + now, tasks))
+    table, lines = write_results(args, device, cells, tasks)
+    counts = {n for c in cells for r in c["runs"] for n in r["samples_per_step"]}
     print("\n" + table)
     print(f"completions sampled per step, every run: {sorted(counts)} "
           f"(expected {args.tasks_per_step * args.responses})")
@@ -439,14 +469,7 @@ def main(argv: list[str] | None = None) -> int:
           "s/step: sampling + advantages + training (evaluation and saving excluded)")
     print("vs TraceRL (Welch t-test on per-seed gains):")
     print("\n".join(f"  {ln}" for ln in lines) or "  (nothing to compare)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot_curves(cells, tasks, out / "curves.png")
-    settings = {k: v for k, v in vars(args).items() if k != "child"}
-    (out / "results.json").write_text(json.dumps(_json_safe({"settings": settings, "device": device,
-                                                             "cells": cells, "table": table,
-                                                             "vs_baseline": lines}), indent=1))
-    print(f"wrote {out / 'results.json'} and {out / 'curves.png'}")
+    print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'curves.png'}")
     return 0
 
 

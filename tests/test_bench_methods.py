@@ -81,9 +81,9 @@ def test_job_arguments_load_for_both_tasks_and_fix_the_seed(tmp_path):
 
 
 def test_an_sft_method_is_refused_at_config_load_and_not_run(tmp_path):
-    cell = bm.run_cell("semi_ar", "arithmetic", _args(tmp_path), "grpo")
-    assert "is an SFT method" in cell["refused"] and "summary" not in cell
-    assert not (tmp_path / "runs").exists()
+    (cell,) = bm.run_task("arithmetic", ["semi_ar"], _args(tmp_path), "grpo")
+    assert "is an SFT method" in cell["refused"] and "summary" not in cell and cell["runs"] == []
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "logs").exists()
 
 
 def test_read_run_takes_before_after_and_step_seconds_without_eval_and_save():
