@@ -134,6 +134,8 @@ def ensure_start_model(args: argparse.Namespace) -> None:
     """Build the demo SFT start once, before any timed job (its minutes must not count in the first job)."""
     if (REPO / args.model / "config.json").is_file():  # a relative path is the repository's, as the jobs run there
         return
+    if Path(args.model).as_posix().rstrip("/") != START_MODEL:  # only the demo's own start is built
+        raise BenchError(f"--model {args.model}: no checkpoint there (config.json missing)")
     code = ("from core.config import load_config; from jobs.demo import ensure_demo_model; from jobs.sft import "
             f"run_sft; ensure_demo_model(load_config(['config={BASE_CONFIG}', 'model.pretrained_model={args.model}'],"
             " 'rl').model, run_sft)")

@@ -44,6 +44,8 @@ def test_bad_methods_tasks_and_counts_are_one_line_errors(tmp_path):
         bm.selected_tasks("arithmetic,sudoku", quick=False)
     with pytest.raises(bm.BenchError, match="--seeds must be >= 1, got 0"):
         bm.parse_args(["--seeds", "0"])
+    with pytest.raises(bm.BenchError, match="no checkpoint there"):
+        bm.ensure_start_model(_args(tmp_path, model=str(tmp_path / "missing")))
     assert bm.selected_tasks(None, quick=True) == ["arithmetic"]
     assert bm.selected_tasks(None, quick=False) == ["arithmetic", "countdown"]
 
@@ -153,6 +155,8 @@ def test_table_rows_and_orderings_vs_tracerl():
     assert [v.strip() for v in lines[2].split(" | ")] == ["tracerl", "arithmetic", "3", "0.250+-0.000",
                                                           "0.450+-0.100", "+0.200 [-0.048, +0.448]", "1.50", "602"]
     assert lines[4] == "semi_ar | arithmetic | - | refused: training.method 'semi_ar' is an SFT method"
+    pending = bm.format_table([{"method": "coupled", "task": "countdown", "runs": []}]).splitlines()[2]
+    assert pending == "coupled | countdown | - | not run yet"
     (line,) = bm.orderings(cells)
     assert line.startswith("coupled vs TraceRL on arithmetic: gain -0.200 vs +0.200: Welch t=-4.90, df=4.0")
     assert line.endswith("-> significant: tracerl better (5%, two-sided)")
