@@ -109,6 +109,8 @@ def job_argv(method: str, task: str, seed: int, args: argparse.Namespace, advant
             "experiment.start_from_scratch=true", "experiment.overwrite=true",
             f"experiment.total_step={args.steps}", f"experiment.eval_every={args.eval_every}",
             f"experiment.save_every={args.steps}", "experiment.keep_checkpoints=1",
+            # every job runs all its steps: a method (or task) whose groups all tie makes no update, a measured 0
+            "experiment.max_idle_steps=0",
             f"experiment.seed={seed}", f"training.seed={seed}",
             f"rollout.num_task_per_step={args.tasks_per_step}", f"rollout.num_response_per_task={args.responses}",
             f"evaluation.num_response_per_task={args.eval_responses}",

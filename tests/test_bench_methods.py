@@ -76,7 +76,7 @@ def test_job_arguments_load_for_both_tasks_and_fix_the_seed(tmp_path):
         cfg = load_config(argv, "rl")
         assert (cfg.training.method, cfg.experiment.seed, cfg.training.seed) == ("coupled", 2, 2)
         assert (cfg.experiment.total_step, cfg.experiment.eval_every, cfg.rollout.num_task_per_step) == (4, 2, 4)
-        assert cfg.rollout.num_response_per_task == 8
+        assert cfg.rollout.num_response_per_task == 8 and cfg.experiment.max_idle_steps == 0
         assert cfg.experiment.project == f"coupled-{task}-seed2"
     assert (cfg.dataset.train_dataset, cfg.evaluation.eval_dataset) == ("builtin:countdown", "builtin:countdown_test")
     assert cfg.training.max_prompt_len == 192  # countdown prompts are ~150 tokens
