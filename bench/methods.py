@@ -15,7 +15,8 @@ A method whose estimator refuses the default group baseline (``reward.advantage`
 (``Entry.advantages``); a method whose job fails at config load is reported as "refused: <its one-line error>".
 
 Read from each run: the held-out accuracy at step 0 (before) and at the last step (after), from ``metrics.jsonl``;
-seconds per RL step (sampling + advantages + training; the in-loop evaluation and checkpoint saving excluded); peak
+seconds per RL step (sampling + advantages + training; the in-loop evaluation and checkpoint saving excluded; the
+median over a run's steps, then the smallest over seeds, as other work on a shared machine only slows runs); peak
 memory: on CPU the peak resident set of the job's process over the whole run (``os.wait4``'s ``ru_maxrss``: model,
 optimizer, sampling and training together), on CUDA ``torch.cuda.max_memory_allocated`` in the job's process.
 Statistics over seeds: mean +- sample standard deviation; the gain's 95% interval is mean +- t(0.975, n-1) * sd /
@@ -30,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -189,14 +191,16 @@ def step_seconds(metrics: dict) -> float:
 
 
 def read_run(history: list[dict]) -> dict:
-    """What the comparison needs of a run's ``metrics.jsonl`` lines: the held-out curve, before / after, s/step and
-    the completions sampled per step."""
+    """What the comparison needs of a run's ``metrics.jsonl`` lines: the held-out curve, before / after, s/step (the
+    median over the steps: a step slowed by other work on the machine moves it little) and the completions
+    sampled per step."""
     curve = [(m["step"], m["eval_acc"]) for m in history if "eval_acc" in m]
     if not curve or curve[0][0] != 0:
         raise ValueError("the run has no step-0 evaluation (experiment.eval_every must be > 0)")
     steps = [m for m in history if m["step"] > 0]
     return {"before": curve[0][1], "after": curve[-1][1], "curve": curve,
-            "s_per_step": sum(map(step_seconds, steps)) / len(steps) if steps else math.nan,
+            "s_per_step": statistics.median(map(step_seconds, steps)) if steps else math.nan,
+            "s_per_step_mean": sum(map(step_seconds, steps)) / len(steps) if steps else math.nan,
             "samples_per_step": sorted({m["samples"] for m in steps if "samples" in m})}
 
 
@@ -253,13 +257,15 @@ def welch(a: list[float], b: list[float]) -> dict:
 
 
 def summarise(runs: list[dict]) -> dict:
-    """One (method, task) cell over its seeds: before / after mean and sd, gain mean and interval, s/step, peak."""
+    """One (method, task) cell over its seeds: before / after mean and sd, gain mean and interval, peak memory (the
+    largest), s/step (the smallest run's: the time of the least disturbed run, as benchmarks take the best of
+    repeats; every run's is kept in ``runs``)."""
     before, after = [r["before"] for r in runs], [r["after"] for r in runs]
     gains = [r["after"] - r["before"] for r in runs]
     peaks = [r["cuda_peak_mb"] if r.get("cuda_peak_mb") is not None else r["peak_rss_mb"] for r in runs]
     gain, lo, hi = mean_interval(gains)
     return {"n": len(runs), "before": mean_sd(before), "after": mean_sd(after), "gains": gains,
-            "gain": gain, "gain_lo": lo, "gain_hi": hi, "s_per_step": sum(r["s_per_step"] for r in runs) / len(runs),
+            "gain": gain, "gain_lo": lo, "gain_hi": hi, "s_per_step": min(r["s_per_step"] for r in runs),
             "peak_mb": max(peaks)}
 
 
@@ -470,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"completions sampled per step, every run: {sorted(counts)} "
           f"(expected {args.tasks_per_step * args.responses})")
     print(f"peak MB: {'peak allocated GPU memory' if device == 'cuda' else 'peak resident set of the job process'}; "
-          "s/step: sampling + advantages + training (evaluation and saving excluded)")
+          "s/step: sampling + advantages + training (evaluation and saving excluded), the median over a run's steps, "
+          "the smallest over seeds (the least disturbed run on a shared machine)")
     print("vs TraceRL (Welch t-test on per-seed gains):")
     print("\n".join(f"  {ln}" for ln in lines) or "  (nothing to compare)")
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'curves.png'}")

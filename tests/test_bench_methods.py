@@ -92,9 +92,11 @@ def test_read_run_takes_before_after_and_step_seconds_without_eval_and_save():
     history = [{"step": 0, "eval_acc": 0.25, "seconds": {"eval": 2.0, "total": 2.0}},
                {"step": 1, "samples": 32, "seconds": {"sample": 1.5, "train": 0.5, "eval": 1.0, "total": 3.0}},
                {"step": 2, "samples": 32, "eval_acc": 0.375,
-                "seconds": {"sample": 3.0, "train": 1.0, "eval": 0.5, "save": 0.5, "total": 5.0}}]
+                "seconds": {"sample": 3.0, "train": 1.0, "eval": 0.5, "save": 0.5, "total": 5.0}},
+               {"step": 3, "samples": 32, "seconds": {"sample": 9.0, "train": 1.0, "total": 10.0}}]
     run = bm.read_run(history)
-    assert (run["before"], run["after"], run["s_per_step"]) == (0.25, 0.375, 3.0)  # (2.0 + 4.0) / 2
+    assert (run["before"], run["after"], run["s_per_step"]) == (0.25, 0.375, 4.0)  # median of 2.0, 4.0, 10.0
+    assert run["s_per_step_mean"] == pytest.approx(16.0 / 3)
     assert run["curve"] == [(0, 0.25), (2, 0.375)] and run["samples_per_step"] == [32]
     with pytest.raises(ValueError, match="no step-0 evaluation"):
         bm.read_run(history[1:])
@@ -141,7 +143,7 @@ def test_welch_against_hand_values_and_scipy():
 
 
 def _cell(method, gains, before=(0.25, 0.25, 0.25)):
-    runs = [{"before": b, "after": b + g, "s_per_step": 1.5, "peak_rss_mb": 600.0 + i, "cuda_peak_mb": None,
+    runs = [{"before": b, "after": b + g, "s_per_step": 2.5 - i / 2, "peak_rss_mb": 600.0 + i, "cuda_peak_mb": None,
              "curve": [(0, b), (4, b + g)]} for i, (b, g) in enumerate(zip(before, gains, strict=True))]
     return {"method": method, "task": "arithmetic", "runs": runs, "summary": bm.summarise(runs)}
 
