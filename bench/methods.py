@@ -3,6 +3,7 @@
     python -m bench.methods                          # every RL method x {arithmetic, countdown} x 3 seeds
     python -m bench.methods --quick                  # smoke run: 1 seed, 4 steps, arithmetic, a few minutes on CPU
     python -m bench.methods --methods tracerl,coupled --tasks countdown --seeds 5
+    python -m bench.methods --report --out runs/bench_methods   # the table again, re-read from the run directories
 
 The methods are read from the registry (``train.algorithms.RL_METHODS``) at run time, so an algorithm added there
 is compared without touching this file. Every (method, task, seed) is a fresh RL job built from
@@ -387,6 +388,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-responses", type=int, help="samples per held-out task (default 4; --quick 2)")
     ap.add_argument("--model", default=START_MODEL, help=f"the SFT start of every job (default {START_MODEL})")
     ap.add_argument("--out", default="runs/bench_methods", help="results.json, curves.png and the run directories")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: re-read the benchmark already in --out and print its table again")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args(argv)
     if args.child:
@@ -449,15 +452,28 @@ def write_results(args: argparse.Namespace, device: str, cells: list[dict], task
     return table, lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.child:
-        return child(args.job_argv)
-    from bench import hardware_line
+def reread(args: argparse.Namespace) -> tuple[str, list[dict], list[str]]:
+    """--report: the device, cells and tasks of the benchmark already in ``--out``, every run re-read from its run
+    directory (its exit code and peak memory from results.json); ``args`` takes that benchmark's settings."""
+    out = Path(args.out)
+    if not (out / "results.json").is_file():
+        raise BenchError(f"--report: no results.json in {out}")
+    old = json.loads((out / "results.json").read_text())
+    for key, value in old["settings"].items():
+        if key not in ("out", "report"):
+            setattr(args, key, value)
+    cells = []
+    for cell in old["cells"]:
+        runs = [{**r, **read_run(read_metrics(out / "runs" / f"{cell['method']}-{cell['task']}-seed{r['seed']}"
+                                               / "metrics.jsonl"))} for r in cell.get("runs", [])]
+        cell = {k: v for k, v in cell.items() if k not in ("summary", "vs_baseline")}
+        cells.append({**cell, "runs": runs, **({"summary": summarise(runs)} if runs and "failed" not in cell else {})})
+    return old["device"], cells, list(dict.fromkeys(c["task"] for c in cells))
 
+
+def run_all(args: argparse.Namespace, device: str) -> tuple[list[dict], list[str]]:
+    """Every job of the benchmark; returns the cells and the tasks."""
     methods, tasks = selected_methods(args.methods), selected_tasks(args.tasks, args.quick)
-    device = "cuda" if _cuda() else "cpu"
-    print(hardware_line(device))
     print(f"methods (registry): {', '.join(methods)}; tasks: {', '.join(tasks)}; {args.seeds} seed(s); "
           f"{args.steps} steps, held-out evaluation every {args.eval_every}; {args.tasks_per_step} tasks x "
           f"{args.responses} completions per step; start {args.model}", flush=True)
@@ -470,6 +486,21 @@ def main(argv: list[str] | None = None) -> int:
         done = list(cells)
         cells = done + run_task(task, methods, args, advantage,
                                 save=lambda now, done=done: write_results(args, device, done + now, tasks))
+    return cells, tasks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child(args.job_argv)
+    from bench import hardware_line
+
+    if args.report:
+        device, cells, tasks = reread(args)
+    else:
+        device = "cuda" if _cuda() else "cpu"
+        print(hardware_line(device))
+        cells, tasks = run_all(args, device)
     table, lines = write_results(args, device, cells, tasks)
     counts = {n for c in cells for r in c["runs"] for n in r["samples_per_step"]}
     print("\n" + table)

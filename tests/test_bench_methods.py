@@ -46,6 +46,8 @@ def test_bad_methods_tasks_and_counts_are_one_line_errors(tmp_path):
         bm.parse_args(["--seeds", "0"])
     with pytest.raises(bm.BenchError, match="no checkpoint there"):
         bm.ensure_start_model(_args(tmp_path, model=str(tmp_path / "missing")))
+    with pytest.raises(bm.BenchError, match="--report: no results.json in"):
+        bm.main(["--report", "--out", str(tmp_path)])
     assert bm.selected_tasks(None, quick=True) == ["arithmetic"]
     assert bm.selected_tasks(None, quick=False) == ["arithmetic", "countdown"]
 
@@ -199,3 +201,8 @@ def test_quick_run_of_one_method_from_a_tiny_model(tmp_path, demo_tokenizer):
     assert run["samples_per_step"] == [4]  # 2 tasks x 2 completions
     assert run["peak_rss_mb"] > 100 and run["s_per_step"] > 0
     assert (out / "curves.png").is_file()
+    (out / "curves.png").unlink()
+    assert bm.main(["--report", "--out", str(out)]) == 0  # re-read: the same numbers, nothing run
+    again = json.loads((out / "results.json").read_text())
+    assert again["table"] == result["table"] and again["settings"]["steps"] == 1
+    assert again["cells"][0]["runs"][0]["wall_s"] == run["wall_s"] and (out / "curves.png").is_file()
