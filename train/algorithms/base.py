@@ -187,3 +187,19 @@ class Algorithm:
     def exact(self, cfg: ViewConfig, traits: ModelTraits, samples: Sequence[Sample]) -> bool:
         """True when the rows reproduce the sampler's states, so its recorded log-probs are the old ones."""
         return False
+
+
+class ResponseMasking(Algorithm):
+    """An algorithm whose units are masks of the response tokens (tail always masked, prompt clean), the same for
+    every family: subclasses only say how the masks are drawn."""
+
+    def response_masks(self, length: int, cfg: ViewConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """[D, length] masks of a response's tokens and the probability each token was masked with."""
+        raise NotImplementedError
+
+    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
+        length = int((geometry.kind == RESPONSE).sum())
+        return masked_response_block_units(geometry, *self.response_masks(length, cfg, gen))
+
+    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
+        return masked_response_full_units(sample, *self.response_masks(len(sample.resp), cfg, gen))

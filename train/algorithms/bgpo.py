@@ -14,20 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from train.algorithms.base import (
-    RESPONSE,
-    Algorithm,
-    BlockGeometry,
-    Needs,
-    Units,
-    masked_response_block_units,
-    masked_response_full_units,
-    stratified_masks,
-)
+from train.algorithms.base import Needs, ResponseMasking, stratified_masks
 from train.algorithms.sequence_elbo import sequence_metrics
 from train.batch import TrainBatch
 from train.loss import LOG_RATIO_CLAMP, LossOutput
-from train.samples import Sample
 from train.settings import LossConfig, ViewConfig
 
 
@@ -54,18 +44,14 @@ def bgpo_surrogate(delta: Tensor, advantages: Tensor, eps: float, eps_high: floa
     return surrogate, ratio
 
 
-class BGPO(Algorithm):
+class BGPO(ResponseMasking):
     name = "bgpo"
     paper = "2510.11683"
     code = "DARE (yjyddq/DARE) verl llada_dp_actor_bgpo.py"
     needs = Needs(old_logprobs="recompute", monte_carlo_draws="training.mask_times_per_sample")
 
-    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        length = int((geometry.kind == RESPONSE).sum())
-        return masked_response_block_units(geometry, *stratified_masks(length, cfg.mask_times_per_sample, gen))
-
-    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        return masked_response_full_units(sample, *stratified_masks(len(sample.resp), cfg.mask_times_per_sample, gen))
+    def response_masks(self, length: int, cfg: ViewConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        return stratified_masks(length, cfg.mask_times_per_sample, gen)
 
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
         device, dtype = logp_new.device, logp_new.dtype

@@ -15,18 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from train.algorithms.base import (
-    RESPONSE,
-    Algorithm,
-    BlockGeometry,
-    Needs,
-    Units,
-    masked_response_block_units,
-    masked_response_full_units,
-)
+from train.algorithms.base import Needs, ResponseMasking
 from train.batch import TrainBatch
 from train.loss import LossOutput, policy_loss
-from train.samples import Sample
 from train.settings import LossConfig, ViewConfig
 
 
@@ -48,7 +39,7 @@ def combined_per_token(values: Tensor, key: Tensor, coef: Tensor) -> Tensor:
     return torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, inverse, coef * values)
 
 
-class CoupledGRPO(Algorithm):
+class CoupledGRPO(ResponseMasking):
     name = "coupled_grpo"
     paper = "2506.20639"
     code = "apple/ml-diffucoder src/open_r1/coupled_grpo.py"
@@ -56,12 +47,7 @@ class CoupledGRPO(Algorithm):
                   monte_carlo_draws="training.mask_times_per_sample")
     loss_norm = "token_mean"
 
-    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        return masked_response_block_units(geometry, *three_pass_masks(int((geometry.kind == RESPONSE).sum()), cfg,
-                                                                       gen))
-
-    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        return masked_response_full_units(sample, *three_pass_masks(len(sample.resp), cfg, gen))
+    response_masks = staticmethod(three_pass_masks)
 
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
         device = logp_new.device

@@ -14,16 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from train.algorithms.base import (
-    RESPONSE,
-    Algorithm,
-    BlockGeometry,
-    Needs,
-    Units,
-    masked_response_block_units,
-    masked_response_full_units,
-)
-from train.samples import Sample
+from train.algorithms.base import Needs, ResponseMasking
 from train.settings import ViewConfig
 
 
@@ -32,7 +23,7 @@ def all_masked(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ones(1, length, dtype=torch.bool), torch.ones(1, length)
 
 
-class DiffuGRPO(Algorithm):
+class DiffuGRPO(ResponseMasking):
     name = "diffu_grpo"
     paper = "2504.12216"
     code = "dllm-reasoning/d1 diffu-grpo/diffu_grpo_trainer.py"
@@ -40,11 +31,7 @@ class DiffuGRPO(Algorithm):
     loss_norm = "token_mean"
     prompt_mask_p = 0.15
 
-    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        return masked_response_block_units(geometry, *all_masked(int((geometry.kind == RESPONSE).sum())))
-
-    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        return masked_response_full_units(sample, *all_masked(len(sample.resp)))
-
+    def response_masks(self, length: int, cfg: ViewConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return all_masked(length)
 
 ALGORITHM = DiffuGRPO()

@@ -13,20 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from train.algorithms.base import (
-    RESPONSE,
-    Algorithm,
-    BlockGeometry,
-    Needs,
-    Units,
-    masked_response_block_units,
-    masked_response_full_units,
-    stratified_masks,
-)
+from train.algorithms.base import Needs, ResponseMasking, stratified_masks
 from train.algorithms.sequence_elbo import clipped_surrogate, first_per_sample, per_sample_elbo, sequence_metrics
 from train.batch import TrainBatch
 from train.loss import LossOutput
-from train.samples import Sample
 from train.settings import LossConfig, ViewConfig
 
 
@@ -36,19 +26,15 @@ def with_complements(length: int, draws: int, gen: torch.Generator) -> tuple[Ten
     return torch.stack([masks, ~masks], 1).flatten(0, 1), torch.stack([level, 1 - level], 1).flatten(0, 1)
 
 
-class ESPO(Algorithm):
+class ESPO(ResponseMasking):
     name = "espo"
     paper = "2512.03759"
     code = "ML-GSAI/ESPO espo/espo_trainer.py"
     needs = Needs(old_logprobs="recompute", fresh_masks=True, whole_samples=True,
                   monte_carlo_draws="training.mask_times_per_sample")
 
-    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        length = int((geometry.kind == RESPONSE).sum())
-        return masked_response_block_units(geometry, *with_complements(length, cfg.mask_times_per_sample, gen))
-
-    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        return masked_response_full_units(sample, *with_complements(len(sample.resp), cfg.mask_times_per_sample, gen))
+    def response_masks(self, length: int, cfg: ViewConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        return with_complements(length, cfg.mask_times_per_sample, gen)
 
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
         device, dtype = logp_new.device, logp_new.dtype

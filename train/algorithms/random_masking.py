@@ -12,16 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from train.algorithms.base import (
-    RESPONSE,
-    Algorithm,
-    BlockGeometry,
-    Needs,
-    Units,
-    masked_response_block_units,
-    masked_response_full_units,
-)
-from train.samples import Sample
+from train.algorithms.base import Needs, ResponseMasking
 from train.settings import ViewConfig
 
 
@@ -41,20 +32,14 @@ def noise_masks(length: int, cfg: ViewConfig, gen: torch.Generator, complement: 
     return masks, level
 
 
-class RandomMasking(Algorithm):
+class RandomMasking(ResponseMasking):
     name = "random_masking"
     paper = "2509.06949"
     code = "Gen-Verse/dLLM-RL train/rl_trado.py (random_masking), train/rl_dream.py, train/rl_llada.py"
     needs = Needs(old_logprobs="recompute", monte_carlo_draws="training.mask_times_per_sample")
     complement = False  # coupled: each random mask followed by its complement
 
-    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        resp_masks, resp_level = noise_masks(int((geometry.kind == RESPONSE).sum()), cfg, gen, self.complement)
-        return masked_response_block_units(geometry, resp_masks, resp_level)
-
-    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        resp_masks, resp_level = noise_masks(len(sample.resp), cfg, gen, self.complement)
-        return masked_response_full_units(sample, resp_masks, resp_level)
-
+    def response_masks(self, length: int, cfg: ViewConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        return noise_masks(length, cfg, gen, self.complement)
 
 ALGORITHM = RandomMasking()

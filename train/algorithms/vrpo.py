@@ -17,20 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from train.algorithms.base import (
-    RESPONSE,
-    Algorithm,
-    BlockGeometry,
-    Needs,
-    Units,
-    masked_response_block_units,
-    masked_response_full_units,
-    stratified_masks,
-)
+from train.algorithms.base import Needs, ResponseMasking, stratified_masks
 from train.algorithms.sequence_elbo import first_per_sample, per_sample_elbo
 from train.batch import TrainBatch
 from train.loss import LossOutput
-from train.samples import Sample
 from train.settings import LossConfig, ViewConfig
 
 
@@ -48,19 +38,15 @@ def pair_losses(margin: Tensor, group: Tensor, chosen: Tensor, rejected: Tensor,
     return torch.stack(losses), torch.tensor(pairs)
 
 
-class VRPO(Algorithm):
+class VRPO(ResponseMasking):
     name = "vrpo"
     paper = "2505.19223"
     code = "DARE (yjyddq/DARE) verl llada_dp_actor_vrpo.py"
     needs = Needs(old_logprobs="none", reference_model="required", whole_groups=True,
                   monte_carlo_draws="training.mask_times_per_sample")
 
-    def block_units(self, geometry: BlockGeometry, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        length = int((geometry.kind == RESPONSE).sum())
-        return masked_response_block_units(geometry, *stratified_masks(length, cfg.mask_times_per_sample, gen))
-
-    def full_units(self, sample: Sample, cfg: ViewConfig, gen: torch.Generator) -> Units:
-        return masked_response_full_units(sample, *stratified_masks(len(sample.resp), cfg.mask_times_per_sample, gen))
+    def response_masks(self, length: int, cfg: ViewConfig, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        return stratified_masks(length, cfg.mask_times_per_sample, gen)
 
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
         if logp_ref is None:
