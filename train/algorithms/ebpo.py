@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from train.algorithms.base import RESPONSE, Algorithm, BlockGeometry, Needs, Units, masked_response_block_units
-from train.algorithms.sequence_elbo import clipped_surrogate, first_per_sample, per_sample_elbo, sequence_metrics
+from train.algorithms.sequence_elbo import elbo_ratio_loss
 from train.batch import TrainBatch
 from train.loss import LossOutput, kl_estimate
 from train.settings import LossConfig, ViewConfig
@@ -55,20 +55,7 @@ class EBPO(Algorithm):
         return masked_response_block_units(geometry, masks, level)
 
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
-        device, dtype = logp_new.device, logp_new.dtype
-        index, unit, level = (t.to(device) for t in (mb.sample_index, mb.unit, mb.extra["level"]))
-        _, composite = per_sample_elbo(logp_new, index, unit, level)
-        with torch.no_grad():
-            _, composite_old = per_sample_elbo(mb.old_logprobs.to(device, dtype), index, unit, level)
-        advantages = first_per_sample(mb.advantages.to(device, dtype), index)
-        surrogate, ratio = clipped_surrogate(composite - composite_old, advantages, cfg.eps, cfg.eps_high)
-        per_sample = 1.0 / len(mb.sample_ids)
-        pg = -(surrogate * per_sample).sum()
-        loss = pg
-        if cfg.ref_beta and logp_ref is not None:
-            _, composite_ref = per_sample_elbo(logp_ref.to(device, dtype), index, unit, level)
-            loss = loss + cfg.ref_beta * per_sample * kl_estimate(composite, composite_ref).sum()
-        return LossOutput(loss, sequence_metrics(loss, pg, ratio, cfg))
-
+        return elbo_ratio_loss(logp_new, mb, cfg, logp_ref, per_token=False,
+                               reference_penalty=lambda c, c_ref, _: kl_estimate(c, c_ref))
 
 ALGORITHM = EBPO()

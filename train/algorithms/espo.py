@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from train.algorithms.base import Needs, ResponseMasking, stratified_masks
-from train.algorithms.sequence_elbo import clipped_surrogate, first_per_sample, per_sample_elbo, sequence_metrics
+from train.algorithms.sequence_elbo import elbo_ratio_loss
 from train.batch import TrainBatch
 from train.loss import LossOutput
 from train.settings import LossConfig, ViewConfig
@@ -24,6 +24,11 @@ def with_complements(length: int, draws: int, gen: torch.Generator) -> tuple[Ten
     """Stratified masks, each followed by its complement, and their masking probabilities."""
     masks, level = stratified_masks(length, draws, gen)
     return torch.stack([masks, ~masks], 1).flatten(0, 1), torch.stack([level, 1 - level], 1).flatten(0, 1)
+
+
+def quadratic_penalty(elbo: Tensor, elbo_ref: Tensor, length: Tensor) -> Tensor:
+    """ESPO's penalty to the reference: (ELBO - ELBO_ref)^2 / (2 L)."""
+    return (elbo - elbo_ref) ** 2 / (2 * length)
 
 
 class ESPO(ResponseMasking):
@@ -37,21 +42,6 @@ class ESPO(ResponseMasking):
         return with_complements(length, cfg.mask_times_per_sample, gen)
 
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
-        device, dtype = logp_new.device, logp_new.dtype
-        index, unit, level = (t.to(device) for t in (mb.sample_index, mb.unit, mb.extra["level"]))
-        _, elbo = per_sample_elbo(logp_new, index, unit, level)
-        with torch.no_grad():
-            _, elbo_old = per_sample_elbo(mb.old_logprobs.to(device, dtype), index, unit, level)
-        length = first_per_sample(mb.extra["resp_len"].to(device, dtype), index)
-        advantages = first_per_sample(mb.advantages.to(device, dtype), index)
-        surrogate, ratio = clipped_surrogate((elbo - elbo_old) / length, advantages, cfg.eps, cfg.eps_high)
-        per_sample = 1.0 / len(mb.sample_ids)
-        pg = -(surrogate * per_sample).sum()
-        loss = pg
-        if cfg.ref_beta and logp_ref is not None:
-            _, elbo_ref = per_sample_elbo(logp_ref.to(device, dtype), index, unit, level)
-            loss = loss + cfg.ref_beta * per_sample * ((elbo - elbo_ref) ** 2 / (2 * length)).sum()
-        return LossOutput(loss, sequence_metrics(loss, pg, ratio, cfg))
-
+        return elbo_ratio_loss(logp_new, mb, cfg, logp_ref, per_token=True, reference_penalty=quadratic_penalty)
 
 ALGORITHM = ESPO()

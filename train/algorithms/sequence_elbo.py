@@ -4,10 +4,13 @@ metrics."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from train.loss import LOG_RATIO_CLAMP
+from train.batch import TrainBatch
+from train.loss import LOG_RATIO_CLAMP, LossOutput
 from train.settings import LossConfig
 
 
@@ -48,3 +51,26 @@ def sequence_metrics(loss: Tensor, pg: Tensor, ratio: Tensor, cfg: LossConfig) -
                           ((ratio < 1 - cfg.eps) | (ratio > 1 + high)).sum().to(ratio.dtype)]).tolist()
     return {"loss": values[0], "policy_loss": values[1], "ratio_sum": values[2], "clip_count": values[3],
             "tokens": float(len(ratio))}
+
+
+def elbo_ratio_loss(logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None,
+                    per_token: bool, reference_penalty: Callable[[Tensor, Tensor, Tensor], Tensor]) -> LossOutput:
+    """-(1/B) sum_i min(rho A, clip(rho) A) + ref_beta (1/B) sum_i penalty(E, E_ref, L) over the micro-batch's samples
+    (B: the batch's samples), with rho = exp(E - E_old) of the per-sample ELBO E, divided by the response length L
+    first when ``per_token``."""
+    device, dtype = logp_new.device, logp_new.dtype
+    index, unit, level = (t.to(device) for t in (mb.sample_index, mb.unit, mb.extra["level"]))
+    _, elbo = per_sample_elbo(logp_new, index, unit, level)
+    with torch.no_grad():
+        _, elbo_old = per_sample_elbo(mb.old_logprobs.to(device, dtype), index, unit, level)
+    length = first_per_sample(mb.extra["resp_len"].to(device, dtype), index)
+    advantages = first_per_sample(mb.advantages.to(device, dtype), index)
+    log_ratio = (elbo - elbo_old) / length if per_token else elbo - elbo_old
+    surrogate, ratio = clipped_surrogate(log_ratio, advantages, cfg.eps, cfg.eps_high)
+    per_sample = 1.0 / len(mb.sample_ids)
+    pg = -(surrogate * per_sample).sum()
+    loss = pg
+    if cfg.ref_beta and logp_ref is not None:
+        _, elbo_ref = per_sample_elbo(logp_ref.to(device, dtype), index, unit, level)
+        loss = loss + cfg.ref_beta * per_sample * reference_penalty(elbo, elbo_ref, length).sum()
+    return LossOutput(loss, sequence_metrics(loss, pg, ratio, cfg))
