@@ -158,7 +158,12 @@ def run_job(argv: list[str], log: Path) -> dict:
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "bench.methods", "--child", *argv], cwd=REPO, env=env,
                                 stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN would mix the jobs)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN would mix the jobs)
+        except BaseException:  # the benchmark interrupted or terminated: its job goes with it
+            proc.terminate()
+            proc.wait()
+            raise
         proc.returncode = os.waitstatus_to_exitcode(status)
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     result = next((json.loads(ln.removeprefix("RESULT ")) for ln in reversed(lines) if ln.startswith("RESULT ")), {})
