@@ -351,10 +351,12 @@ def plot_curves(cells: list[dict], tasks: list[str], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
-        for c in (c for c in cells if c["task"] == task and "summary" in c):
+        for i, c in enumerate(c for c in cells if c["task"] == task and "summary" in c):
             curves = [dict(r["curve"]) for r in c["runs"]]
             steps = sorted(set.intersection(*(set(cu) for cu in curves)))
-            ax.plot(steps, [sum(cu[s] for cu in curves) / len(curves) for s in steps], marker="o", label=c["method"])
+            # tab10 repeats after 10 methods: the line style tells the next ten apart
+            ax.plot(steps, [sum(cu[s] for cu in curves) / len(curves) for s in steps], marker="o", label=c["method"],
+                    color=f"C{i % 10}", linestyle=("-", "--", ":")[i // 10 % 3])
         ax.set_title(task)
         ax.set_xlabel("RL step")
         ax.set_ylabel("held-out accuracy")
