@@ -15,21 +15,18 @@ import torch
 from torch import Tensor
 
 from train.algorithms.base import Needs, ResponseMasking, stratified_masks
-from train.algorithms.sequence_elbo import sequence_metrics
+from train.algorithms.sequence_elbo import first_per_sample, sequence_metrics
 from train.batch import TrainBatch
 from train.loss import LOG_RATIO_CLAMP, LossOutput
 from train.settings import LossConfig, ViewConfig
 
 
-def per_unit_mean(values: Tensor, unit: Tensor) -> tuple[Tensor, Tensor]:
-    """Each distinct unit's (sorted) mean of ``values`` and the index of its first entry."""
+def per_unit_mean(values: Tensor, unit: Tensor) -> Tensor:
+    """Each distinct unit's (sorted) mean of ``values``."""
     _, unit_of = torch.unique(unit, return_inverse=True)
     n = int(unit_of.max()) + 1 if unit_of.numel() else 0
     sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, unit_of, values)
-    counts = torch.bincount(unit_of, minlength=n).to(values.dtype)
-    first = torch.zeros(n, dtype=torch.long, device=values.device).scatter_reduce(
-        0, unit_of, torch.arange(len(unit_of), device=values.device), "amin", include_self=False)
-    return sums / counts, first
+    return sums / torch.bincount(unit_of, minlength=n).to(values.dtype)
 
 
 def bgpo_surrogate(delta: Tensor, advantages: Tensor, eps: float, eps_high: float | None,
@@ -56,9 +53,9 @@ class BGPO(ResponseMasking):
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
         device, dtype = logp_new.device, logp_new.dtype
         unit = mb.unit.to(device)
-        new, first = per_unit_mean(logp_new, unit)
-        old, _ = per_unit_mean(mb.old_logprobs.to(device, dtype), unit)
-        advantages = mb.advantages.to(device, dtype)[first]
+        new = per_unit_mean(logp_new, unit)
+        old = per_unit_mean(mb.old_logprobs.to(device, dtype), unit)
+        advantages = first_per_sample(mb.advantages.to(device, dtype), unit)
         surrogate, ratio = bgpo_surrogate(new - old, advantages, cfg.eps, cfg.eps_high, cfg.dual_clip)
         loss = -(surrogate / max(mb.num_units, 1)).sum()
         return LossOutput(loss, sequence_metrics(loss, loss, ratio, cfg))

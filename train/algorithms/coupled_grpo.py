@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from train.algorithms.base import Needs, ResponseMasking
+from train.algorithms.sequence_elbo import first_per_sample
 from train.batch import TrainBatch
 from train.loss import LossOutput, policy_loss
 from train.settings import LossConfig, ViewConfig
@@ -59,9 +60,7 @@ class CoupledGRPO(ResponseMasking):
             return combined_per_token(values.to(device, logp_new.dtype), key, coef)
 
         ones = torch.ones_like(coef)
-        first = torch.zeros(len(combine(ones)), dtype=torch.long, device=device).scatter_(
-            0, torch.unique(key, return_inverse=True)[1], torch.arange(len(key), device=device))  # any entry per key
-        return policy_loss(combine(logp_new), combine(mb.old_logprobs), mb.advantages.to(device)[first],
+        return policy_loss(combine(logp_new), combine(mb.old_logprobs), first_per_sample(mb.advantages.to(device), key),
                            combined_per_token(mb.weights.to(device, logp_new.dtype), key, ones), cfg,
                            None if logp_ref is None else combine(logp_ref))
 

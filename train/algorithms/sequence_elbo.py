@@ -28,7 +28,8 @@ def per_sample_elbo(logp: Tensor, sample_index: Tensor, unit: Tensor, level: Ten
 
 
 def first_per_sample(values: Tensor, sample_index: Tensor) -> Tensor:
-    """The value of each distinct sample's (sorted) first entry (a per-sample quantity stored on every token)."""
+    """The value of each distinct sample's (sorted) first entry (a per-sample quantity stored on every token); any
+    integer labels serve as ``sample_index`` (units, a sample's tokens)."""
     _, sample_of = torch.unique(sample_index, return_inverse=True)
     n = int(sample_of.max()) + 1 if sample_of.numel() else 0
     index = torch.zeros(n, dtype=torch.long, device=values.device).scatter_reduce(
