@@ -8,8 +8,10 @@
 The methods are read from the registry (``train.algorithms.RL_METHODS``) at run time, so an algorithm added there
 is compared without touching this file. Every (method, task, seed) is a fresh RL job built from
 ``configs/demo/rl_demo.yaml`` with overrides, in its own run directory under ``--out``/runs, run in a child process.
-Fairness: every job starts from the same SFT model (the demo's ``runs/sft_demo/ckpt/optimized``, trained once on
-first use by the demo machinery, before any timed job), samples the same number of completions per step
+Fairness: every job of a task starts from the same SFT model (the task's demo SFT start, ``START_MODELS``: arithmetic
+from the RL demo's ``runs/sft_demo/ckpt/optimized``, Countdown from ``runs/sft_countdown/ckpt/optimized``, each
+trained once on first use by the demo machinery, before any timed job; ``--model`` gives every task one start),
+samples the same number of completions per step
 (``rollout.num_task_per_step`` x ``rollout.num_response_per_task``, checked in each run's metrics), and for a given
 seed draws the same training tasks and evaluates on the same held-out tasks (``experiment.seed`` keys both draws).
 A method whose estimator refuses the default group baseline (``reward.advantage``) gets the first one it allows
@@ -44,15 +46,19 @@ from core.files import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = "configs/demo/rl_demo.yaml"
-START_MODEL = "runs/sft_demo/ckpt/optimized"  # the demo SFT model: built on first use (jobs/demo.py)
+# Each task's SFT start, built on first use by the demo machinery (jobs/demo.py, SFT_DEMOS): from a start that
+# never solves a task, every group ties and no method learns (the arithmetic start scores 0 on Countdown).
+START_MODELS = {"arithmetic": "runs/sft_demo/ckpt/optimized", "countdown": "runs/sft_countdown/ckpt/optimized"}
 BASELINE = "tracerl"
-# The overrides that make a task: countdown prompts are ~150 tokens and its equations longer than the demo's
-# arithmetic answers, so the prompt and answer limits grow with it.
+# The overrides that make a task. Countdown is the two-number kind (builtin:countdown2): no tiny demo model solves
+# d1's three-number tasks after SFT (0 of 256 held-out samples), so every group would tie and nothing would be
+# compared. Its prompts are ~110 tokens and its equations longer than the demo's arithmetic answers, so the prompt
+# and answer limits grow with it.
 TASKS: dict[str, list[str]] = {
     "arithmetic": ["dataset.train_dataset=builtin:arithmetic", "dataset.data_type=math",
                    "evaluation.eval_dataset=builtin:arithmetic", "evaluation.data_type=math"],
-    "countdown": ["dataset.train_dataset=builtin:countdown", "dataset.data_type=math",
-                  "evaluation.eval_dataset=builtin:countdown_test", "evaluation.data_type=math",
+    "countdown": ["dataset.train_dataset=builtin:countdown2", "dataset.data_type=math",
+                  "evaluation.eval_dataset=builtin:countdown2_test", "evaluation.data_type=math",
                   "training.max_prompt_len=192", "rollout.max_token=32", "training.max_gen_length=32",
                   "evaluation.max_token=32"],
 }
@@ -107,7 +113,7 @@ def advantage_overrides(method: str, advantage: str) -> list[str]:
 def job_argv(method: str, task: str, seed: int, args: argparse.Namespace, advantage: str) -> list[str]:
     """The rl.py arguments of one (method, task, seed) job."""
     project = f"{method}-{task}-seed{seed}"
-    return [f"config={BASE_CONFIG}", f"model.pretrained_model={args.model}",
+    return [f"config={BASE_CONFIG}", f"model.pretrained_model={start_model(task, args)}",
             f"experiment.output_dir={Path(args.out) / 'runs'}", f"experiment.project={project}",
             "experiment.start_from_scratch=true", "experiment.overwrite=true",
             f"experiment.total_step={args.steps}", f"experiment.eval_every={args.eval_every}",
@@ -135,17 +141,22 @@ def config_refusal(argv: list[str]) -> str:
 # ------------------------------------------------------------------------------------------ one job
 
 
-def ensure_start_model(args: argparse.Namespace) -> None:
-    """Build the demo SFT start once, before any timed job (its minutes must not count in the first job)."""
-    if (REPO / args.model / "config.json").is_file():  # a relative path is the repository's, as the jobs run there
+def start_model(task: str, args: argparse.Namespace) -> str:
+    """The SFT start of ``task``'s jobs: ``--model`` when given, else the task's demo start."""
+    return args.model or START_MODELS[task]
+
+
+def ensure_start_model(model: str) -> None:
+    """Build a demo SFT start once, before any timed job (its minutes must not count in the first job)."""
+    if (REPO / model / "config.json").is_file():  # a relative path is the repository's, as the jobs run there
         return
-    if Path(args.model).as_posix().rstrip("/") != START_MODEL:  # only the demo's own start is built
-        raise BenchError(f"--model {args.model}: no checkpoint there (config.json missing)")
+    if Path(model).as_posix().rstrip("/") not in START_MODELS.values():  # only the demo's own starts are built
+        raise BenchError(f"--model {model}: no checkpoint there (config.json missing)")
     code = ("from core.config import load_config; from jobs.demo import ensure_demo_model; from jobs.sft import "
-            f"run_sft; ensure_demo_model(load_config(['config={BASE_CONFIG}', 'model.pretrained_model={args.model}'],"
+            f"run_sft; ensure_demo_model(load_config(['config={BASE_CONFIG}', 'model.pretrained_model={model}'],"
             " 'rl').model, run_sft)")
     if subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode != 0:
-        raise BenchError(f"could not build the start model {args.model} (see the output above)")
+        raise BenchError(f"could not build the start model {model} (see the output above)")
 
 
 def run_job(argv: list[str], log: Path) -> dict:
@@ -393,7 +404,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tasks-per-step", type=int, help="rollout.num_task_per_step (default 16; --quick 4)")
     ap.add_argument("--responses", type=int, default=8, help="rollout.num_response_per_task (default 8)")
     ap.add_argument("--eval-responses", type=int, help="samples per held-out task (default 4; --quick 2)")
-    ap.add_argument("--model", default=START_MODEL, help=f"the SFT start of every job (default {START_MODEL})")
+    ap.add_argument("--model", help="the SFT start of every job (default: each task's demo SFT start, "
+                    + ", ".join(f"{t}: {m}" for t, m in START_MODELS.items()) + ")")
     ap.add_argument("--out", default="runs/bench_methods", help="results.json, curves.png and the run directories")
     ap.add_argument("--report", action="store_true",
                     help="run nothing: re-read the benchmark already in --out and print its table again")
@@ -412,7 +424,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.out = str(Path(args.out).resolve())
-    args.model = str(args.model)
     return args
 
 
@@ -483,8 +494,10 @@ def run_all(args: argparse.Namespace, device: str) -> tuple[list[dict], list[str
     methods, tasks = selected_methods(args.methods), selected_tasks(args.tasks, args.quick)
     print(f"methods (registry): {', '.join(methods)}; tasks: {', '.join(tasks)}; {args.seeds} seed(s); "
           f"{args.steps} steps, held-out evaluation every {args.eval_every}; {args.tasks_per_step} tasks x "
-          f"{args.responses} completions per step; start {args.model}", flush=True)
-    ensure_start_model(args)
+          f"{args.responses} completions per step", flush=True)
+    for task in tasks:
+        print(f"start of {task}: {start_model(task, args)}", flush=True)
+        ensure_start_model(start_model(task, args))
     from core.config import load_config
 
     advantage = load_config([f"config={BASE_CONFIG}"], "rl").reward.advantage

@@ -45,11 +45,12 @@ __all__ = ["ConfigError", "load_config", "load_config_or_exit", "job_kind", "SCH
 ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada", "sdar_moe"]
 DataType = Literal["math", "code", "option"]
 BUILTIN_DATA_TYPES = {"builtin:arithmetic": "math", "builtin:code": "code", "builtin:countdown": "math",
-                      "builtin:countdown_test": "math", "builtin:sudoku": "math", "builtin:sudoku_test": "math"}
+                      "builtin:countdown_test": "math", "builtin:countdown2": "math", "builtin:countdown2_test": "math",
+                      "builtin:sudoku": "math", "builtin:sudoku_test": "math"}
 # The only paths where a demo config may build its starting model (model.init_tiny_if_missing): tiny random models,
 # and the demo SFT's output (the RL demo's starting point).
 DEMO_MODEL_DIRS = ("runs/demo/tiny_sdar", "runs/demo/tiny_dream", "runs/demo/tiny_llada",
-                   "runs/sft_demo/ckpt/optimized")
+                   "runs/sft_demo/ckpt/optimized", "runs/sft_countdown/ckpt/optimized")
 
 
 # ----------------------------------------------------------------------------------------------- sections

@@ -10,6 +10,8 @@ arXiv 2504.12216), seeded, with disjoint train / held-out splits.
 Splits: an instance belongs to the held-out split when a hash of its content says so (one in five), so the train
 and held-out sets of any seeds never share an instance. ``builtin:countdown`` / ``builtin:sudoku`` draw the train
 split, ``builtin:countdown_test`` / ``builtin:sudoku_test`` the held-out one (use those for evaluation).
+``builtin:countdown2`` / ``builtin:countdown2_test``: Countdown with two numbers (654 distinct instances, 141 of them
+held out), a size at which the tiny CPU demo models learn the task (none of them solves three-number Countdown).
 """
 
 from __future__ import annotations

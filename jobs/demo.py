@@ -14,12 +14,15 @@ from typing import Any
 from core.config import DEMO_MODEL_DIRS, load_config
 from models.registry import ModelLoadError
 
-SFT_DEMO_DIR, SFT_DEMO_CONFIG = "runs/sft_demo/ckpt/optimized", "configs/demo/sft_demo.yaml"
+# The demo's SFT models and the config that trains each: arithmetic (the RL demo's start) and Countdown (the
+# Countdown start of bench/methods.py).
+SFT_DEMOS = {"runs/sft_demo/ckpt/optimized": "configs/demo/sft_demo.yaml",
+             "runs/sft_countdown/ckpt/optimized": "configs/demo/sft_countdown.yaml"}
 
 
 def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any]) -> None:
-    """Demo configs only: build the model at one of the demo paths when it is missing (and say so); the SFT demo
-    model is trained with ``train_sft`` (the SFT job) from its config.
+    """Demo configs only: build the model at one of the demo paths when it is missing (and say so); an SFT demo
+    model is trained with ``train_sft`` (the SFT job) from its config (``SFT_DEMOS``).
 
     Any other missing path is an error: a mistyped path must never silently become a random model.
     """
@@ -29,9 +32,10 @@ def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any]) -> None:
     if path.as_posix().rstrip("/") not in DEMO_MODEL_DIRS:
         raise ModelLoadError(f"model path {str(path)!r} does not exist (model.init_tiny_if_missing only builds the "
                              f"demo's own paths: {', '.join(DEMO_MODEL_DIRS)})")
-    if path.as_posix().rstrip("/") == SFT_DEMO_DIR:
-        print(f"{path} is missing: training the demo's starting model with {SFT_DEMO_CONFIG} (runs once)", flush=True)
-        train_sft(load_config([f"config={SFT_DEMO_CONFIG}", "experiment.overwrite=true"], "sft"))
+    sft_config = SFT_DEMOS.get(path.as_posix().rstrip("/"))
+    if sft_config:
+        print(f"{path} is missing: training the demo's starting model with {sft_config} (runs once)", flush=True)
+        train_sft(load_config([f"config={sft_config}", "experiment.overwrite=true"], "sft"))
         return
     from models.tiny import save_tiny_checkpoint
     from models.tokenizers import build_demo_tokenizer

@@ -26,6 +26,8 @@ BUILTIN_SIZE = 64  # tasks in a built-in dataset
 BUILTIN_TASKS = {"builtin:arithmetic": ("math", arithmetic_task), "builtin:code": ("code", code_task),
                  "builtin:countdown": ("math", countdown_task),
                  "builtin:countdown_test": ("math", functools.partial(countdown_task, split="test")),
+                 "builtin:countdown2": ("math", functools.partial(countdown_task, count=2)),
+                 "builtin:countdown2_test": ("math", functools.partial(countdown_task, split="test", count=2)),
                  "builtin:sudoku": ("math", sudoku_task),
                  "builtin:sudoku_test": ("math", functools.partial(sudoku_task, split="test"))}
 

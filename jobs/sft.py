@@ -58,6 +58,7 @@ def builtin_rows(name: str, n: int, seed: int, difficulty: int) -> list[dict]:
     (``difficulty`` applies to arithmetic; the puzzles draw their train split)."""
     makers = {"builtin:arithmetic": lambda: arithmetic_task(n, seed=seed, difficulty=difficulty),
               "builtin:countdown": lambda: countdown_task(n, seed=seed),
+              "builtin:countdown2": lambda: countdown_task(n, seed=seed, count=2),
               "builtin:sudoku": lambda: sudoku_task(n, seed=seed)}
     if name not in makers:
         raise DataFormatError(f"unknown built-in SFT dataset {name!r} ({', '.join(makers)})")

@@ -45,7 +45,7 @@ def test_bad_methods_tasks_and_counts_are_one_line_errors(tmp_path):
     with pytest.raises(bm.BenchError, match="--seeds must be >= 1, got 0"):
         bm.parse_args(["--seeds", "0"])
     with pytest.raises(bm.BenchError, match="no checkpoint there"):
-        bm.ensure_start_model(_args(tmp_path, model=str(tmp_path / "missing")))
+        bm.ensure_start_model(str(tmp_path / "missing"))
     with pytest.raises(bm.BenchError, match="--report: no results.json in"):
         bm.main(["--report", "--out", str(tmp_path)])
     assert bm.selected_tasks(None, quick=True) == ["arithmetic"]
@@ -80,8 +80,13 @@ def test_job_arguments_load_for_both_tasks_and_fix_the_seed(tmp_path):
         assert (cfg.experiment.total_step, cfg.experiment.eval_every, cfg.rollout.num_task_per_step) == (4, 2, 4)
         assert cfg.rollout.num_response_per_task == 8 and cfg.experiment.max_idle_steps == 0
         assert cfg.experiment.project == f"coupled-{task}-seed2"
-    assert (cfg.dataset.train_dataset, cfg.evaluation.eval_dataset) == ("builtin:countdown", "builtin:countdown_test")
+        assert cfg.model.pretrained_model == bm.START_MODELS[task]  # each task starts from its own SFT model
+    assert (cfg.dataset.train_dataset, cfg.evaluation.eval_dataset) == ("builtin:countdown2", "builtin:countdown2_test")
     assert cfg.training.max_prompt_len == 192  # countdown prompts are ~150 tokens
+    assert bm.START_MODELS == {"arithmetic": "runs/sft_demo/ckpt/optimized",
+                               "countdown": "runs/sft_countdown/ckpt/optimized"}
+    args.model = "elsewhere/model"  # --model: one start for every task
+    assert "model.pretrained_model=elsewhere/model" in bm.job_argv("tracerl", "countdown", 1, args, "grpo")
 
 
 def test_an_sft_method_is_refused_at_config_load_and_not_run(tmp_path):
