@@ -50,7 +50,12 @@ ARITHMETIC_ANSWER = "The answer is \\boxed{{{answer}}}."
 
 
 def turn_end_id(adapter: Any) -> int:
-    return int(adapter.tokenizer.convert_tokens_to_ids(family_spec(adapter.model_base).turn_end))
+    """The token closing an SFT response: the family's turn end (``<|im_end|>``, ``<|eot_id|>``, ``<|role_end|>``),
+    or EOS when the tokenizer has no such token (the demo tokenizer under a LLaDA / LLaDA2 model): the sampler
+    stops on either (``Adapter.stop_ids``)."""
+    turn_end = family_spec(adapter.model_base).turn_end
+    vocab = adapter.tokenizer.get_vocab()
+    return int(vocab[turn_end]) if turn_end in vocab else int(adapter.eos_ids[0])
 
 
 def builtin_rows(name: str, n: int, seed: int, difficulty: int) -> list[dict]:

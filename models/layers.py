@@ -89,8 +89,14 @@ def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1]: the negation lives in ``signed_sin``."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1]: the negation lives in ``signed_sin``.
+
+    Partial rotary (LLaDA2: 64 of 128 dimensions): when cos / sin are narrower than the heads, only the leading
+    dimensions are rotated (rotate_half within them) and the rest pass unchanged."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotated], cos, signed_sin), x[..., rotated:]], dim=-1)
+    return x * cos + x.roll(rotated // 2, -1) * signed_sin
 
 
 def attention_heads(qkv: Tensor, n_heads: int, n_kv: int, head_dim: int, cos: Tensor, sin: Tensor,

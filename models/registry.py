@@ -22,6 +22,7 @@ from models.common import AttentionLayout, KVCache
 from models.dream import DreamConfig, DreamModel
 from models.kinds import ATTENTION_OF
 from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
+from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM
 from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
 from models.sdar_moe import SDARMoeConfig, SDARMoeForCausalLM, SDARMoeModel
 
@@ -45,6 +46,7 @@ class FamilySpec:
 
 _QWEN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LLADA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+_LLADA2_TARGETS = ("query_key_value", "dense", "gate_proj", "up_proj", "down_proj")
 
 FAMILIES: dict[str, FamilySpec] = {
     "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["trado"], False, "<|im_end|>", _QWEN_TARGETS),
@@ -56,6 +58,8 @@ FAMILIES: dict[str, FamilySpec] = {
     "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, ATTENTION_OF["llada"], False, "<|eot_id|>", _LLADA_TARGETS),
     "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, ATTENTION_OF["mmada"], False,
                         "<|eot_id|>", _LLADA_TARGETS),
+    "llada2": FamilySpec("llada2", ("llada2_moe",), LLaDA2MoeModelLM, ATTENTION_OF["llada2"], False, "<|role_end|>",
+                         _LLADA2_TARGETS),
 }
 
 
@@ -67,6 +71,7 @@ def register_auto_classes() -> None:
         (DreamConfig, None, DreamModel),
         (LLaDAConfig, None, LLaDAModelLM),
         (MMadaConfig, None, MMadaModelLM),
+        (LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM),
     ):
         with contextlib.suppress(ValueError):  # already registered
             AutoConfig.register(cfg_cls.model_type, cfg_cls)

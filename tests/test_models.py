@@ -43,7 +43,7 @@ def test_state_dict_keys_match_reference_names(tiny, model_base):
     assert set(adapter.model.state_dict()) == expected_keys(ref_base, 2)
 
 
-@pytest.mark.parametrize("model_base", ("trado", "sdar", "dream", "llada", "mmada", "sdar_moe"))
+@pytest.mark.parametrize("model_base", ("trado", "sdar", "dream", "llada", "mmada", "sdar_moe", "llada2"))
 def test_save_load_round_trip_gives_identical_logits(tmp_path, demo_tokenizer, model_base):
     path = save_tiny_checkpoint(tmp_path / "ckpt", model_base, demo_tokenizer, size="test", seed=3)
     a = load_model({"pretrained_model": str(path), "model_base": model_base, "dtype": "float32"})
@@ -57,7 +57,8 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path, demo_tokenizer, m
 
     with torch.no_grad():
         ref = build_tiny(model_base, demo_tokenizer, "test", seed=3).model(ids).logits
-    torch.testing.assert_close(la, ref, rtol=0, atol=0)
+    # (to rounding: a loaded tensor may sit at another alignment, and CPU kernels may then sum in another order)
+    torch.testing.assert_close(la, ref, rtol=0, atol=1e-6)
     assert a.mask_id == demo_tokenizer.mask_token_id
     assert a.tokenizer.mask_token == "<|MASK|>"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,40 @@ def test_dream_tokenizer_config_ids_match_our_offline_rebuild():
     from models.tokenizers import _FAMILIES, QWEN_BASE_VOCAB
     ours = {c: QWEN_BASE_VOCAB + i for i, (c, _) in enumerate(_FAMILIES["dream"][0])}
     assert ours == ids
+
+
+def state_dict_patterns(model) -> dict[str, int]:
+    """State-dict names with layer and expert indices folded ({N}, {E}), and how many names each stands for."""
+    from collections import Counter
+
+    fold = lambda k: re.sub(r"\.experts\.\d+\.", ".experts.{E}.", re.sub(r"\.layers\.\d+\.", ".layers.{N}.", k))  # noqa: E731
+    return dict(Counter(fold(k) for k in model.state_dict()))
+
+
+@pytest.mark.parametrize("name", ["LLaDA2.0-mini", "LLaDA2.1-mini"])
+def test_llada2_config_and_state_dict_names_match_the_checkpoint(name):
+    folder = FIXTURES / name
+    config, model = _meta_model(folder, "llada2")
+    assert (config.num_hidden_layers, config.hidden_size, config.num_experts, config.rotary_dim) == (20, 2048, 256, 64)
+    assert (config.n_group, config.topk_group, config.routed_scaling_factor, config.first_k_dense_replace) == \
+        (8, 4, 2.5, 1)
+    assert (config.mask_token_id, config.pad_token_id, config.block_size) == (156895, 156892, 32)  # ours: 2 fields
+    # 14,813 names (weights and the expert_bias buffers), 256 experts per sparse layer, layer 0 dense
+    assert state_dict_patterns(model) == json.loads((folder / "weight_map_patterns.json").read_text())
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    assert (tok["mask_token"], tok["eos_token"], tok["pad_token"]) == ("<|mask|>", "<|endoftext|>", "<|endoftext|>")
+    assert family_spec("llada2").turn_end in tok["chat_template"]  # <|role_end|> closes every turn
+
+
+def test_sdar_30b_a3b_config_and_state_dict_names_match_the_checkpoint():
+    folder = FIXTURES / "SDAR-30B-A3B-Chat"
+    config, model = _meta_model(folder, "sdar_moe")
+    assert (config.num_hidden_layers, config.hidden_size, config.num_experts, config.num_experts_per_tok) == \
+        (48, 2048, 128, 8)
+    assert config.norm_topk_prob is True and config.mlp_only_layers == []
+    assert state_dict_patterns(model) == json.loads((folder / "weight_map_patterns.json").read_text())
+    added = json.loads((folder / "added_tokens.json").read_text())
+    assert added["<|MASK|>"] == 151669 and added["<|im_end|>"] == 151645
 
 
 def test_llada_tokenizer_config_special_ids():

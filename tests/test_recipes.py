@@ -22,7 +22,7 @@ from sample.trajectory import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if job_kind(p) in ("rl", "eval"))
-FAMILIES = ("sdar", "dream", "llada", "mmada")
+FAMILIES = ("sdar", "dream", "llada", "mmada", "llada2")
 BUILTIN = {"math": "builtin:arithmetic", "code": "builtin:code"}
 TOKENS = 8
 

@@ -271,15 +271,17 @@ def test_cj_grpo_weighs_each_decoding_step_equally():
 
 # ---------------------------------------------------------------- every algorithm on every family
 
+FAMILIES = ("sdar", "dream", "llada", "mmada", "sdar_moe", "llada2")
+
 
 @pytest.fixture(scope="module")
 def rollouts(demo_tokenizer):
     from models.tiny import build_tiny
 
     out = {}
-    for base in ("sdar", "dream", "llada", "mmada", "sdar_moe"):
+    for base in FAMILIES:
         adapter = build_tiny(base, demo_tokenizer, seed=3)
-        params = {} if base.startswith("sdar") else {"block_size": 4}
+        params = {} if adapter.attention == "block" else {"block_size": 4}
         trajs = sampled(adapter, PROMPTS * 2, max_tokens=8, **params)
         for i, t in enumerate(trajs):
             t.group_id = str(i % 3)
@@ -296,7 +298,7 @@ def _with_reference(ref_model):
     return with_reference
 
 
-@pytest.mark.parametrize("base", ["sdar", "dream", "llada", "mmada", "sdar_moe"])
+@pytest.mark.parametrize("base", FAMILIES)
 @pytest.mark.parametrize("method", RL_METHODS)
 def test_every_algorithm_trains_every_family_or_refuses_it(tiny, rollouts, base, method, monkeypatch):
     adapter = tiny(base, seed=3)
@@ -304,7 +306,7 @@ def test_every_algorithm_trains_every_family_or_refuses_it(tiny, rollouts, base,
     adv = {t.sample_id: (1.0 if i % 2 else -1.0) * (0.5 + i / 10) for i, t in enumerate(trajs)}
     view = ViewConfig(method=method, mask_times_per_sample=2)
     trainer_args = dict(learning_rate=1e-3, view=view, micro_batch_size=3, num_train_epochs=2)
-    if method == "ebpo" and not base.startswith("sdar"):
+    if method == "ebpo" and adapter.attention != "block":
         with pytest.raises(ValueError, match="cannot train full-attention models: it noises every block"):
             make_trainer(adapter, **trainer_args).train_step(trajs, adv)
         return

@@ -73,7 +73,7 @@ PROMPTS = ["The quick brown fox", "A train travels sixty miles in one hour. How 
 
 @pytest.mark.parametrize("layout", ["packed", "per_round"])
 @pytest.mark.parametrize("cache", ["prefix", "none"])
-@pytest.mark.parametrize("model_base", ["sdar", "sdar_moe"])
+@pytest.mark.parametrize("model_base", ["sdar", "sdar_moe", "llada2"])
 def test_trainer_logprobs_equal_sampler_logprobs_block_model(tiny, demo_tokenizer, layout, cache, model_base):
     adapter = tiny(model_base, seed=1)
     prompts = [demo_tokenizer.encode(p) for p in PROMPTS]  # lengths 10, 21, 6: P mod 4 = 2, 1, 2

@@ -97,7 +97,7 @@ def _sampled(adapter, prompts, **kw):
     return trajs
 
 
-@pytest.mark.parametrize("base", ["sdar", "llada"])
+@pytest.mark.parametrize("base", ["sdar", "llada", "sdar_moe", "llada2"])
 def test_values_are_read_at_the_state_before_each_step(tiny, demo_tokenizer, base):
     adapter = tiny(base, seed=2)
     extra = {"block_size": 4, "steps": 10, "cache": "none"} if base == "llada" else {}
@@ -112,6 +112,23 @@ def test_values_are_read_at_the_state_before_each_step(tiny, demo_tokenizer, bas
     earlier = [i for i, s in enumerate(t.step_map) if s < t.step_map[later]]
     assert earlier and torch.equal(before["s0"][earlier], after["s0"][earlier])  # earlier states never saw it
     assert torch.equal(before["s1"], after["s1"])
+
+
+@pytest.mark.parametrize("base", ["sdar_moe", "llada2"])
+def test_moe_value_model_copies_the_policy_backbone_and_round_trips(tmp_path, tiny, base):
+    policy = tiny(base, seed=5).model
+    value = value_model_from_policy(policy)
+    for name, tensor in policy.model.state_dict().items():  # weights and the router's expert_bias buffers
+        assert torch.equal(value.model.state_dict()[name], tensor), name
+    ids = torch.randint(0, 500, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        value.value_head.weight.normal_()
+        expected = value(ids)
+    value.save_pretrained(tmp_path)
+    loaded = load_value_model(tmp_path)
+    assert type(loaded.model) is type(policy.model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), expected, rtol=0, atol=1e-5)
 
 
 def test_packed_equals_per_round_values(tiny, demo_tokenizer):

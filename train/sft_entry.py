@@ -8,8 +8,8 @@ from core.config import load_config_or_exit
 from core.entry import check_single_node, relaunch_if_requested, run_job
 from core.loader import ConfigError
 
-FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado"), "dream": ("dream",), "llada": ("llada",),
-                "mmada": ("mmada", "llada")}
+FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado", "sdar_moe"), "dream": ("dream",),
+                "llada": ("llada",), "mmada": ("mmada", "llada"), "llada2": ("llada2",)}
 
 
 def main(family: str, argv: list[str] | None = None) -> int:

@@ -1,0 +1,13 @@
+"""SFT of a LLaDA2.0 / 2.1 (llada2) model: `python train/sft_llada2.py config=configs/sft_llada2.yaml [key=value ...]`,
+or under `accelerate launch --config_file accelerate_configs/<...>.yaml train/sft_llada2.py config=...`.
+See jobs/sft.py."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repository importable
+
+from train.sft_entry import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main("llada2"))
