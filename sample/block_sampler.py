@@ -15,6 +15,13 @@ the reference engine (``FUSE_MAX_TOKENS``).
 
 ``cache="none"`` is the slow reference path: every step recomputes each row's whole sequence with the
 block-causal layout (the baseline of the cache-equality test and of the benchmark).
+
+Token editing (``editing_threshold``, LLaDA2.1): each forward also draws at the block's decoded response positions
+(never the prompt tail), and a position whose drawn token differs from the one it holds with confidence above the
+threshold is rewritten, in the same step as that step's unmasking. Once the block has no mask, it gets up to
+``max_post_steps`` more forwards and is complete after the first that rewrites nothing (or the last allowed), as
+the authors' generate does. Each token's record (step, log-prob, confidence) is that of its last write;
+``rewrites`` counts the writes it replaced.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class _Running:
     steps: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
+    rewrites: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- model runners
@@ -199,6 +207,12 @@ class BlockSampler:
         self.rec_conf = torch.empty(0, b, dtype=torch.float32, device=dev)
         self.carry = torch.empty(0, b, dtype=torch.long, device=dev)  # finished blocks whose K/V are not stored yet
         self.carrying = torch.empty(0, dtype=torch.bool, device=dev)
+        # token editing: response positions of the block (not the prompt tail), writes replaced per position,
+        # forwards since the block's last mask, and whether the last step rewrote anything
+        self.editable = torch.empty(0, b, dtype=torch.bool, device=dev)
+        self.rec_rewrites = torch.empty(0, b, dtype=torch.long, device=dev)
+        self.post = torch.empty(0, dtype=torch.long, device=dev)
+        self.edited = torch.empty(0, dtype=torch.bool, device=dev)
 
     def check_prompt(self, index: int, prompt: list[int]) -> int:
         """The response budget of a prompt; a clear error when it leaves no room below the position limit."""
@@ -246,6 +260,10 @@ class BlockSampler:
         self.rec_conf = torch.cat([self.rec_conf, torch.zeros(n, self.b, device=dev)])
         self.carry = torch.cat([self.carry, torch.zeros(n, self.b, dtype=torch.long, device=dev)])
         self.carrying = torch.cat([self.carrying, torch.zeros(n, dtype=torch.bool, device=dev)])
+        self.editable = torch.cat([self.editable, masked])
+        self.rec_rewrites = torch.cat([self.rec_rewrites, torch.zeros(n, self.b, dtype=torch.long, device=dev)])
+        self.post = torch.cat([self.post, zeros])
+        self.edited = torch.cat([self.edited, torch.zeros(n, dtype=torch.bool, device=dev)])
 
     # ------------------------------------------------------------ one denoising step
 
@@ -261,18 +279,26 @@ class BlockSampler:
         hidden = self.runner.step(self.tokens, self._positions(), self.carry if carry else None,
                                   self.carrying if carry else None, fused)
         self.stats.denoise_forwards += 1
-        masked = self.masked if fused or not carry else self.masked & ~self.carrying[:, None]
-        draw = self._draw(hidden, masked)
+        denoised = torch.ones_like(self.carrying) if fused or not carry else ~self.carrying
+        masked = self.masked & denoised[:, None]
+        editing = self.params.editing_threshold is not None
+        decoded = self.editable & ~self.masked & denoised[:, None] if editing else None
+        draw = self._draw(hidden, masked | decoded if editing else masked)
         n_t = self.schedule[self.t_block.clamp(max=self.schedule.numel() - 1)]
-        transfer = select_transfer(draw, masked, n_t, self.params, self.generator)
-        denoising = 1 if fused or not carry else (~self.carrying).long()
-        self.counter += denoising
-        self.t_block += denoising
-        self.tokens = torch.where(transfer, draw.tokens, self.tokens)
-        self.masked &= ~transfer
-        self.rec_step = torch.where(transfer, self.counter[:, None], self.rec_step)
-        self.rec_logp = torch.where(transfer, draw.logprob, self.rec_logp)
-        self.rec_conf = torch.where(transfer, draw.confidence, self.rec_conf)
+        write = select_transfer(draw, masked, n_t, self.params, self.generator)
+        if editing:
+            rewrite = decoded & (draw.confidence > self.params.editing_threshold) & (draw.tokens != self.tokens)
+            self.post += (denoised & ~self.masked.any(1)).long()  # a forward of a block with no mask left
+            self.edited = rewrite.any(1)
+            self.rec_rewrites += rewrite.long()
+            write |= rewrite
+        self.counter += denoised.long()
+        self.t_block += denoised.long()
+        self.tokens = torch.where(write, draw.tokens, self.tokens)
+        self.masked &= ~write
+        self.rec_step = torch.where(write, self.counter[:, None], self.rec_step)
+        self.rec_logp = torch.where(write, draw.logprob, self.rec_logp)
+        self.rec_conf = torch.where(write, draw.confidence, self.rec_conf)
 
     def _draw(self, hidden: Tensor, candidates: Tensor) -> Draw:
         """Tokens drawn at the candidate positions ([R, b] grid, zeros elsewhere). The LM head runs only there:
@@ -287,7 +313,11 @@ class BlockSampler:
         """The step's one host sync: rows whose block is complete are cut, retired or moved to their next block."""
         self.carrying.zero_()  # the blocks carried in this step are stored now
         self.n_carrying = 0
-        complete = (~self.masked.any(1)).tolist()
+        complete = ~self.masked.any(1)
+        if self.params.editing_threshold is not None and self.params.max_post_steps > 0:
+            # after its last mask a block gets a forward that may edit; it ends at one that edits nothing
+            complete &= (self.post >= 1) & (~self.edited | (self.post >= self.params.max_post_steps))
+        complete = complete.tolist()
         done_rows = [i for i, flag in enumerate(complete) if flag]
         return self._finish_blocks(done_rows) if done_rows else []
 
@@ -296,12 +326,13 @@ class BlockSampler:
         finished block is carried into the next step to be stored)."""
         idx = torch.tensor(complete, dtype=torch.long, device=self.device)
         packed = torch.cat([self.tokens[idx].double(), self.rec_step[idx].double(), self.rec_logp[idx].double(),
-                            self.rec_conf[idx].double()], 1).tolist()
+                            self.rec_conf[idx].double(), self.rec_rewrites[idx].double()], 1).tolist()
         b = self.b
         done, finished = [], []
         for row_idx, row in zip(complete, packed):
             tokens, steps = [int(x) for x in row[:b]], [int(x) for x in row[b:2 * b]]
-            finished_seq = self._absorb_block(self.running[row_idx], tokens, steps, row[2 * b:3 * b], row[3 * b:])
+            finished_seq = self._absorb_block(self.running[row_idx], tokens, steps, row[2 * b:3 * b],
+                                              row[3 * b:4 * b], [int(x) for x in row[4 * b:]])
             if finished_seq is not None:
                 done.append(finished_seq)
                 finished.append(row_idx)
@@ -320,7 +351,7 @@ class BlockSampler:
         return done
 
     def _absorb_block(self, row: _Running, tokens: list[int], steps: list[int], logps: list[float],
-                      confs: list[float]) -> Finished | None:
+                      confs: list[float], rewrites: list[int]) -> Finished | None:
         """Append the block's response tokens to ``row``; its Finished record when the row is finished."""
         first = row.tail_len
         row.tail_len = 0
@@ -336,6 +367,7 @@ class BlockSampler:
             row.steps.append(steps[pos])
             row.logprobs.append(logps[pos])
             row.confidences.append(confs[pos])
+            row.rewrites.append(rewrites[pos])
             if tok in self.stop_ids:
                 reason, end = ("eos" if tok in self.eos_ids else "stop"), pos + 1
                 break
@@ -344,7 +376,7 @@ class BlockSampler:
         if reason is None:
             return None
         return Finished(row.seq, row.response, row.steps, row.logprobs, row.confidences, reason, self.b,
-                        tokens[end:], steps[end:])
+                        tokens[end:], steps[end:], row.rewrites if any(row.rewrites) else [])
 
     def _advance(self, complete: Tensor, finished: list[int]) -> None:
         """Open the next block of the rows that go on; drop the finished rows from the batch."""
@@ -353,6 +385,10 @@ class BlockSampler:
         self.masked[complete] = True
         self.t_block[complete] = 0
         self.rec_step[complete] = 0
+        self.editable[complete] = True
+        self.rec_rewrites[complete] = 0
+        self.post[complete] = 0
+        self.edited[complete] = False
         if finished:
             self._drop_rows(finished)
 
@@ -371,7 +407,7 @@ class BlockSampler:
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
         self.running = [self.running[i] for i in keep_list]
         for name in ("tokens", "masked", "start", "t_block", "counter", "rec_step", "rec_logp", "rec_conf", "carry",
-                     "carrying"):
+                     "carrying", "editable", "rec_rewrites", "post", "edited"):
             setattr(self, name, getattr(self, name)[keep])
         if keep_list:
             self.runner.keep(keep)

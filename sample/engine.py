@@ -75,6 +75,7 @@ class Finished:
     block_size: int
     tail_ids: list[int] = field(default_factory=list)
     tail_steps: list[int] = field(default_factory=list)
+    rewrites: list[int] = field(default_factory=list)  # token editing: writes replaced per token ([] = none)
 
 
 class Sampler(Protocol):
@@ -152,4 +153,5 @@ def trajectory(done: Finished, tokenizer: Any = None) -> Trajectory:
     text = tokenizer.decode(done.response, skip_special_tokens=False) if tokenizer is not None else ""
     return Trajectory(prompt_ids=done.seq.prompt, response_ids=done.response, step_map=done.steps,
                       logprobs=done.logprobs, finish_reason=done.reason, text=text, confidences=done.confidences,
-                      tail_ids=list(done.tail_ids), tail_steps=list(done.tail_steps), block_size=done.block_size)
+                      tail_ids=list(done.tail_ids), tail_steps=list(done.tail_steps), block_size=done.block_size,
+                      rewrites=list(done.rewrites))

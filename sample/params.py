@@ -34,6 +34,9 @@ class SamplingParams(Settings):
     block (block models); ``steps`` over the whole answer (full attention; None = one token per step);
     ``further_horizon`` (extra window positions after the block in prefix-cache mode).
 
+    ``editing_threshold`` / ``max_post_steps``: token editing (LLaDA2.1, arXiv 2602.08676), block models only;
+    a rewritten token's ``Trajectory.step_map`` entry is the step of its last write (``Trajectory.rewrites``).
+
     ``cache``: "none" recomputes the whole sequence every step (exact; the slow reference path for block
     models), "prefix" is the exact committed-block cache for block models and the Fast-dLLM prefix cache for
     full-attention models, "dual" (full attention only) also caches the suffix.
@@ -62,6 +65,11 @@ class SamplingParams(Settings):
     denoising_steps: int = bounded(4, 1)  # block models: steps per block
     steps: int | None = bounded(None, 1)  # full attention: steps over the whole answer
     further_horizon: int = bounded(32, 0)
+    # LLaDA2.1's token editing (block models): a decoded token of the active block is replaced when the model now
+    # draws another token there with confidence > editing_threshold (None: off); after the block's last mask, up
+    # to max_post_steps more forwards edit it, ending at the first that changes nothing.
+    editing_threshold: float | None = bounded(None, 0.0, 1.0)
+    max_post_steps: int = bounded(16, 0)
 
     def validate(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +102,9 @@ class SamplingParams(Settings):
                 raise SettingError("denoising_steps", f"denoising_steps ({self.denoising_steps}) exceeds the block "
                                                       f"size ({block}): a step must unmask at least one token")
         else:
+            if self.editing_threshold is not None:
+                raise SettingError("editing_threshold", "token editing (editing_threshold) is for block models "
+                                                        "(LLaDA2.1); full-attention samplers do not edit")
             n_blocks = -(-self.max_tokens // block)
             if self.steps is not None and self.steps < n_blocks:
                 raise SettingError("steps", f"steps ({self.steps}) is fewer than the {n_blocks} blocks of "

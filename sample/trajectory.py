@@ -25,6 +25,12 @@ class Trajectory:
     block's contexts exactly. For full-attention models the tail is the whole rest of the canvas after the cut;
     positions that were never decoded are stored as the mask id with step = the row's last step + 1 (masked in
     every training round).
+
+    Token editing (LLaDA2.1): a token may be written more than once. ``step_map[i]``, ``logprobs[i]`` and
+    ``confidences[i]`` are then those of its LAST write, and ``rewrites[i]`` counts the earlier writes it replaced
+    (empty list: nothing was rewritten). Training views treat a rewritten token as masked until its last write, so
+    the states they rebuild are not exactly the sampler's (which held the earlier token there): such a view is
+    inexact and its old log-probs are recomputed.
     """
 
     prompt_ids: list[int]
@@ -42,6 +48,7 @@ class Trajectory:
     task_index: int = -1  # row of the dataset / step's task list this sample answers
     score: float | None = None  # set once by the reward: answer correctness or test pass fraction, in [0, 1]
     meta: dict = field(default_factory=dict)
+    rewrites: list[int] = field(default_factory=list)  # token editing: earlier writes replaced, per token
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -52,6 +59,8 @@ class Trajectory:
             )
         if self.confidences and len(self.confidences) != n:
             raise ValueError(f"trajectory {self.sample_id!r}: confidences length {len(self.confidences)} != {n}")
+        if self.rewrites and len(self.rewrites) != n:
+            raise ValueError(f"trajectory {self.sample_id!r}: rewrites length {len(self.rewrites)} != {n}")
         if len(self.tail_ids) != len(self.tail_steps):
             raise ValueError(f"trajectory {self.sample_id!r}: tail_ids and tail_steps differ in length")
         if self.finish_reason not in FINISH_REASONS:

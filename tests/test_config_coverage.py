@@ -44,7 +44,7 @@ def _eval_runs(tmp_path: Path, demo_tokenizer) -> list[list[str]]:
     return [
         [*common, f"model.pretrained_model={sdar}", "experiment.project=a",
          "rollout.remasking_strategy=[low_confidence_dynamic,entropy_bounded]", "rollout.top_k=[0,1]",
-         "rollout.stop_token_list=[<|im_end|>]"],
+         "rollout.stop_token_list=[<|im_end|>]", "rollout.editing_threshold=0.9", "rollout.max_post_steps=2"],
         [*common, f"model.pretrained_model={dream}", "model.model_base=dream", "experiment.project=b",
          "rollout.block_size=2", "rollout.steps=4", "rollout.max_active=3"],
         [*common, f"model.pretrained_model={sdar}", "experiment.project=c", "dataset.eval_dataset=builtin:code",
@@ -114,7 +114,8 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_e
          f"model.value_base_model={sdar}", "training.gam=0.9", "training.lam=0.8",
          "training.check_sampler_logp=true", "training.eps_high=0.3", "training.samples_per_step=2",
          "rollout.remasking_strategy=low_confidence_dynamic", "evaluation.top_k=[0,0]",
-         "evaluation.remasking_strategy=[entropy_bounded,low_confidence_dynamic]"],
+         "evaluation.remasking_strategy=[entropy_bounded,low_confidence_dynamic]", "rollout.editing_threshold=0.9",
+         "rollout.max_post_steps=2", "evaluation.editing_threshold=0.9", "evaluation.max_post_steps=1"],
         [*common, f"model.pretrained_model={llada}", "model.model_base=llada", "experiment.project=b",
          "training.method=random_masking", "training.old_logp=recompute", "rollout.block_size=2",
          "rollout.steps=2", "evaluation.block_size=2", "evaluation.steps=2",

@@ -24,7 +24,7 @@ from models.layers import apply_rope, rope_cos_sin
 from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
 from models.llada2.modeling_llada2_moe import LLaDA2SparseMoeBlock
 from models.moe import naive_expert_compute
-from models.registry import load_model, make_adapter
+from models.registry import Adapter, load_model, make_adapter
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "llada2_golden.json"
@@ -204,3 +204,101 @@ def test_sft_job_trains_a_llada2_checkpoint_and_keeps_the_expert_bias(tmp_path, 
     assert bias and all(torch.equal(start[k], end[k]) for k in bias)
     lines = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(math.isfinite(x["nll"]) for x in lines)
+
+
+# ------------------------------------------------------------------------------------------ token editing (LLaDA2.1)
+
+
+def test_token_editing_equals_the_authors_generate(demo_tokenizer):
+    """LLaDA2.1's generate (its 0/1 block mask made additive) on the golden model: thresholds, editing thresholds
+    and post-step budgets (0, 1, 3, 4, 16) whose runs rewrite hundreds of tokens."""
+    from sample.generate import generate
+    from sample.params import SamplingParams
+
+    golden = json.loads(GOLDEN.read_text())
+    model = seeded_model(len(demo_tokenizer), demo_tokenizer.mask_token_id, demo_tokenizer.eos_token_id)
+    adapter = make_adapter(model, demo_tokenizer, "llada2")
+    rewrites = 0
+    for case in golden["editing"]:
+        params = SamplingParams(max_tokens=case["gen_length"], temperature=0.0, stop_token_ids=[],
+                                remasking_strategy="low_confidence_dynamic", dynamic_threshold=case["threshold"],
+                                block_size=4, denoising_steps=4, editing_threshold=case["editing_threshold"],
+                                max_post_steps=case["max_post_steps"])
+        for cache in ("prefix", "none"):
+            traj = generate(adapter, [case["prompt"]], params, progress=False)[0]
+            assert traj.response_ids[:len(case["tokens"])] == case["tokens"], (case, cache)
+        rewrites += sum(traj.rewrites)
+    assert rewrites > 100
+
+
+class _Scripted(Adapter):
+    """Each LM-head call returns the next scripted rows: per candidate position (in position order) the token the
+    model prefers and its probability (the rest spread evenly)."""
+
+    script: list = []
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = self.script.pop(0)
+        assert len(rows) == hidden.shape[0], "the sampler asked about other positions than scripted"
+        vocab = self.model.config.vocab_size
+        out = torch.empty(len(rows), vocab)
+        for i, (token, p) in enumerate(rows):
+            out[i] = math.log((1 - p) / (vocab - 1))
+            out[i, token] = math.log(p)
+        return out
+
+
+def test_a_hand_made_editing_case_records_each_token_at_its_last_write(demo_tokenizer):
+    from dataclasses import fields
+
+    from core.schema import replace
+    from sample.generate import generate
+    from sample.params import SamplingParams
+
+    base = make_adapter(seeded_model(len(demo_tokenizer), demo_tokenizer.mask_token_id, demo_tokenizer.eos_token_id),
+                        demo_tokenizer, "llada2")
+    adapter = _Scripted(**{f.name: getattr(base, f.name) for f in fields(base)})
+    A, B, C, D, E, F, low = 30, 31, 32, 33, 34, 35, 0.05
+    adapter.script = [
+        [(A, 0.95), (B, low), (C, low), (D, low)],  # step 1: four masks; only position 0 passes 0.9
+        [(E, 0.6), (B, 0.95), (C, low), (D, low)],  # step 2: position 0 (decoded) -> E at 0.6 > 0.5: rewritten
+        [(E, 0.9), (B, 0.9), (C, 0.95), (D, low)],  # step 3: same tokens at 0 and 1: no rewrite; position 2 unmasked
+        [(A, 0.4), (B, 0.9), (C, 0.9), (D, low)],  # step 4: A at 0.4 < 0.5 stays E; the last mask by top-1
+        [(E, 0.9), (F, 0.7), (C, 0.9), (D, 0.9)],  # step 5, first post step: position 1 -> F
+        [(E, 0.9), (F, 0.9), (C, 0.9), (D, 0.9)],  # step 6: nothing changes: the block is complete
+    ]
+    params = SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=[], block_size=4, denoising_steps=4,
+                            remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.9,
+                            editing_threshold=0.5, max_post_steps=3, cache="none")
+    out = generate(adapter, [[40, 41, 42, 43]], params, progress=False)
+    traj = out[0]
+    assert traj.response_ids == [E, F, C, D]
+    assert traj.step_map == [2, 5, 3, 4] and traj.rewrites == [1, 1, 0, 0]
+    assert traj.logprobs == pytest.approx([math.log(0.6), math.log(0.7), math.log(0.95), math.log(low)], abs=1e-5)
+    assert adapter.script == [] and out.stats.forwards == 6
+
+    # max_post_steps bounds the edits after the last mask: with 1 the block ends after step 5's edit
+    adapter.script = [[(A, 0.95), (B, 0.95), (C, 0.95), (D, 0.95)], [(E, 0.8), (B, 0.9), (C, 0.9), (D, 0.9)]]
+    traj = generate(adapter, [[40, 41, 42, 43]], replace(params, max_post_steps=1), progress=False)[0]
+    assert traj.response_ids == [E, B, C, D] and traj.step_map == [2, 1, 1, 1] and traj.rewrites == [1, 0, 0, 0]
+
+    # TraceRL's rows treat a rewritten token as masked until its last write: not the sampler's states, so the view
+    # is inexact (old log-probs recomputed); the same trajectory without rewrites is exact
+    from train.settings import ViewConfig
+    from train.traits import ModelTraits
+    from train.views import build_view
+
+    traits = ModelTraits.from_adapter(base)
+    for rewrites, exact in (([1, 0, 0, 0], False), ([], True)):
+        traj.rewrites, traj.sample_id = rewrites, "s"
+        batch = build_view([traj], {"s": 1.0}, ViewConfig(method="tracerl"), traits)
+        assert batch.exact is exact and sorted(batch.labels.tolist()) == sorted(traj.response_ids)
+
+
+def test_token_editing_is_refused_for_full_attention_models(tiny):
+    from core.schema import SettingError
+    from sample.params import SamplingParams
+
+    with pytest.raises(SettingError, match="token editing .* is for block models"):
+        SamplingParams(editing_threshold=0.5).check_for(tiny("llada"))
+    SamplingParams(editing_threshold=0.5).check_for(tiny("llada2"))  # block models accept it

@@ -81,7 +81,10 @@ class TraceRL(Algorithm):
         return full_attention_units(masked, trained, collapsed, torch.ones(masked.shape))
 
     def exact(self, cfg, traits, samples) -> bool:
-        return cfg.shrink == 1 and not (traits.attention == "full" and any(sample.truncated for sample in samples))
+        # a token rewritten by token editing is masked in the rows until its last write, where the sampler held
+        # the earlier token: those states are not the sampler's
+        return cfg.shrink == 1 and not any(sample.rewritten for sample in samples) and not (
+            traits.attention == "full" and any(sample.truncated for sample in samples))
 
 
 ALGORITHM = TraceRL()
