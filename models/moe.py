@@ -76,10 +76,19 @@ def grouped_expert_compute(x: Tensor, weights: Tensor, index: Tensor, experts: n
     token_of = order // top_k  # the token each sorted (token, slot) pair came from
     counts = torch.bincount(flat, minlength=len(experts)).tolist()  # the one host copy (see module docstring)
     rows = x.index_select(0, token_of)
-    outs = [experts[e](chunk) for e, chunk in enumerate(rows.split(counts)) if counts[e]]
+    # Under DeepSpeed ZeRO-3 an expert's weights are gathered by a collective when its module runs, so every rank
+    # runs every expert, an idle one on zero rows: ranks that skipped different experts would pair up the wrong
+    # gathers (same shapes: no error, wrong weights) or wait for ever.
+    every = _partitioned(experts)
+    outs = [experts[e](chunk) for e, chunk in enumerate(rows.split(counts)) if counts[e] or every]
     out_rows = torch.cat(outs) if outs else rows.new_zeros((0, x.shape[-1]))
     scaled = out_rows * weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+
+def _partitioned(experts: nn.ModuleList) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the experts' weights (its parameters carry a ``ds_id``)."""
+    return hasattr(experts[0].gate_proj.weight, "ds_id")
 
 
 def naive_expert_compute(x: Tensor, weights: Tensor, index: Tensor, experts: nn.ModuleList) -> Tensor:

@@ -158,3 +158,64 @@ def test_the_router_aux_loss_trains_the_router_when_the_config_asks(demo_tokeniz
     assert torch.equal(gate_delta(output_router_logits=True, router_aux_loss_coef=0.0),
                        torch.zeros_like(gate_delta()))
     assert gate_delta(output_router_logits=True, router_aux_loss_coef=0.5).abs().max() > 0  # balancing moves it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["sdar_moe", "llada2"])
+def test_zero3_two_process_sft_of_the_moe_families(tmp_path, demo_tokenizer, base):
+    """Under ZeRO-3 an expert's weights are gathered by a collective when its module runs: every rank must run every
+    expert, also one that got none of its tokens (else the ranks wait on each other for ever)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from models.tiny import build_tiny
+    from tests.test_sft import ROOT, sft_args
+    from tests.test_train_distributed import _free_port
+
+    # top-1 of 8 experts behind a sharp router: each rank's tokens leave some experts idle, and not the same ones
+    adapter = build_tiny(base, demo_tokenizer, seed=1, num_experts_per_tok=1, **({"n_group": 1, "topk_group": 1}
+                                                                               if base == "llada2" else {}))
+    with torch.no_grad():
+        for name, p in adapter.model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(40)
+    ckpt = tmp_path / "base"
+    adapter.model.save_pretrained(ckpt)
+    demo_tokenizer.save_pretrained(ckpt)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SFT_DIGEST=str(tmp_path / "w"),
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_zero3_2proc.yaml"), "--main_process_port", str(_free_port()),
+           str(ROOT / "tests" / "test_sft.py"),
+           *sft_args(tmp_path, ckpt, **{"training.max_steps": 3, "model.model_base": base})]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["num_processes"] == 2 and ranks[0]["digest"] == ranks[1]["digest"]
+    start = load_file(str(ckpt / "model.safetensors"))
+    end = load_file(str(tmp_path / "sft" / "ckpt" / "optimized" / "model.safetensors"))
+    assert set(start) == set(end) and max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
+
+
+def test_every_expert_runs_when_zero3_partitions_them(monkeypatch):
+    torch.manual_seed(0)
+    experts = nn.ModuleList(ExpertMLP(8, 16) for _ in range(4))
+    x, index = torch.randn(3, 8), torch.tensor([[0], [0], [2]])  # experts 1 and 3 get no token
+    weights = torch.ones(3, 1)
+    calls = []
+    for e, expert in enumerate(experts):
+        expert.register_forward_hook(lambda _m, inp, _o, e=e: calls.append((e, inp[0].shape[0])))
+    expected = naive_expert_compute(x, weights, index, experts)
+    grouped_expert_compute(x, weights, index, experts)
+    assert calls[4:] == [(0, 2), (2, 1)]  # (the first four: the naive reference) idle experts are skipped
+    calls.clear()
+    for p in experts.parameters():
+        p.ds_id = 0  # what DeepSpeed ZeRO-3 sets on the parameters it partitions
+    out = grouped_expert_compute(x, weights, index, experts)
+    assert calls == [(0, 2), (1, 0), (2, 1), (3, 0)]  # every rank gathers every expert, in order
+    torch.testing.assert_close(out, expected)
