@@ -42,7 +42,7 @@ from train.settings import (
 __all__ = ["ConfigError", "load_config", "load_config_or_exit", "job_kind", "SCHEMAS",
            "RLConfig", "EvalConfig", "SFTConfig", "ServeConfig", "DEMO_MODEL_DIRS"]
 
-ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada", "sdar_moe", "llada2"]
+ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada", "sdar_moe", "llada2", "llada_moe"]
 DataType = Literal["math", "code", "option"]
 BUILTIN_DATA_TYPES = {"builtin:arithmetic": "math", "builtin:code": "code", "builtin:countdown": "math",
                       "builtin:countdown_test": "math", "builtin:countdown2": "math", "builtin:countdown2_test": "math",

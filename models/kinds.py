@@ -2,4 +2,4 @@
 FAMILIES reads it: one place)."""
 
 ATTENTION_OF = {"trado": "block", "sdar": "block", "sdar_moe": "block", "dream": "full", "llada": "full",
-                "mmada": "full", "llada2": "block"}
+                "mmada": "full", "llada2": "block", "llada_moe": "full"}

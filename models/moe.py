@@ -154,3 +154,16 @@ def is_moe_layer(config, layer_idx: int) -> bool:
         return False
     step = getattr(config, "decoder_sparse_step", 1)
     return config.num_experts > 0 and (layer_idx + 1) % step == 0
+
+
+class MoeBackboneMixin:
+    """``moe_blocks`` and the router auxiliary loss of a backbone whose sparse layers are ``SparseMoeBlock``s (the
+    trainer adds ``router_aux_loss_coef`` x ``router_aux_loss()`` to the loss when the config asks for it)."""
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def router_aux_loss(self) -> Tensor | None:
+        """Mean load-balancing loss over the sparse layers of the last forward (None unless output_router_logits)."""
+        losses = [loss for loss in (b.aux_loss() for b in self.moe_blocks()) if loss is not None]
+        return sum(losses) / len(losses) if losses else None

@@ -76,12 +76,14 @@ class QwenBackboneMixin:
     ``__init__``.
     """
 
-    def build_backbone(self, config, qkv_bias: bool, qk_norm: bool, mlp_of_layer=None) -> None:
-        """``mlp_of_layer(i)``: the MLP module of layer i (None: the dense QwenMLP), e.g. a sparse MoE block."""
+    def build_backbone(self, config, qkv_bias: bool = False, qk_norm: bool = False, mlp_of_layer=None,
+                       layer_of=None) -> None:
+        """``mlp_of_layer(i)``: the MLP module of layer i (None: the dense QwenMLP), e.g. a sparse MoE block;
+        ``layer_of(i)``: a family's own decoder layer i instead of a QwenDecoderLayer (same submodule names)."""
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            QwenDecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                             mlp=mlp_of_layer(i) if mlp_of_layer else None)
+            layer_of(i) if layer_of else QwenDecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                                                          mlp=mlp_of_layer(i) if mlp_of_layer else None)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

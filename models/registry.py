@@ -23,6 +23,7 @@ from models.dream import DreamConfig, DreamModel
 from models.kinds import ATTENTION_OF
 from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM
+from models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM
 from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
 from models.sdar_moe import SDARMoeConfig, SDARMoeForCausalLM, SDARMoeModel
 
@@ -60,6 +61,9 @@ FAMILIES: dict[str, FamilySpec] = {
                         "<|eot_id|>", _LLADA_TARGETS),
     "llada2": FamilySpec("llada2", ("llada2_moe",), LLaDA2MoeModelLM, ATTENTION_OF["llada2"], False, "<|role_end|>",
                          _LLADA2_TARGETS),
+    # the hub config says model_type "llada", as dense LLaDA's: load_model tells them apart (_llada_moe_fields)
+    "llada_moe": FamilySpec("llada", ("lladamoe", "llada"), LLaDAMoEModelLM, ATTENTION_OF["llada_moe"], False,
+                            "<|role_end|>", _QWEN_TARGETS),
 }
 
 
@@ -72,6 +76,7 @@ def register_auto_classes() -> None:
         (LLaDAConfig, None, LLaDAModelLM),
         (MMadaConfig, None, MMadaModelLM),
         (LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM),
+        (LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM),
     ):
         with contextlib.suppress(ValueError):  # already registered
             AutoConfig.register(cfg_cls.model_type, cfg_cls)
@@ -213,12 +218,17 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
         raise ModelLoadError(f"model path {str(path)!r} is not a folder with a config.json "
                              "(weights cannot be downloaded at run time; download the checkpoint first)")
     try:
-        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        model_type = raw.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: not a valid JSON config ({e})") from None
     if model_type not in spec.model_types:
         raise ModelLoadError(f"{path}: model_type {model_type!r} does not match model_base {model_base!r} "
                              f"(expected {' or '.join(spec.model_types)})")
+    if model_type == "llada" and is_llada_moe(raw) != (model_base == "llada_moe"):
+        which, base = ("LLaDA-MoE", "llada_moe") if is_llada_moe(raw) else ("dense LLaDA", "llada or mmada")
+        raise ModelLoadError(f"{path}: this model_type 'llada' checkpoint is {which} (it has "
+                             f"{'' if is_llada_moe(raw) else 'no '}num_experts): set model.model_base={base}")
     dtype = DTYPES[get("dtype", "float32") or "float32"]
     overrides = {"attn_backend": get("attn_backend", "sdpa") or "sdpa"}
     if load_in_4bit:
@@ -236,6 +246,12 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
         raise ModelLoadError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
                              f"{rows} rows (a tokenizer of another model? set model.tokenizer)")
     return make_adapter(model, tokenizer, model_base)
+
+
+def is_llada_moe(config: dict) -> bool:
+    """Whether a ``config.json`` (as a dict) is LLaDA-MoE's. Its hub config says model_type "llada", as dense
+    LLaDA-8B's does; only the MoE one has experts (``num_experts``) or names ``LLaDAMoEModelLM``."""
+    return bool(config.get("num_experts")) or any("MoE" in str(a) for a in config.get("architectures") or ())
 
 
 def _four_bit(dtype: torch.dtype, device: str | torch.device) -> dict:

@@ -10,6 +10,7 @@ import torch
 from models.dream import DreamConfig
 from models.llada import LLaDAConfig, MMadaConfig
 from models.llada2 import LLaDA2MoeConfig
+from models.llada_moe import LLaDAMoEConfig
 from models.registry import Adapter, family_spec, make_adapter
 from models.sdar import SDARConfig
 from models.sdar_moe import SDARMoeConfig
@@ -39,6 +40,12 @@ def tiny_config(model_base: str, tokenizer: Any, size: str = "test", block_size:
                               num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                               moe_intermediate_size=mlp // 4, first_k_dense_replace=1, block_size=block_size,
                               max_position_embeddings=4096, **ids)
+    elif model_base == "llada_moe":  # 8 experts, top-2 (not renormalised), a dense first layer, a shared expert
+        cfg = LLaDAMoEConfig(vocab_size=vocab, hidden_size=hidden, dense_intermediate_size=mlp,
+                             expert_intermediate_size=mlp // 4, shared_expert_intermediate_size=mlp // 4,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                             num_experts=8, num_experts_per_tok=2, moe_layer_freq=[0] + [1] * (layers - 1),
+                             max_position_embeddings=4096, **ids)
     elif family == "sdar":
         cfg = SDARConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,

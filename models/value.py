@@ -22,6 +22,7 @@ from models.common import AttentionLayout
 from models.dream import DreamBaseModel, DreamConfig
 from models.llada import LLaDAConfig, LLaDAModel, MMadaConfig
 from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModel
+from models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel
 from models.sdar import SDARConfig, SDARModel
 from models.sdar_moe import SDARMoeConfig, SDARMoeModel
 
@@ -30,6 +31,7 @@ BACKBONES: dict[str, tuple[type, type]] = {
     "sdar": (SDARConfig, SDARModel), "Dream": (DreamConfig, DreamBaseModel), "dream": (DreamConfig, DreamBaseModel),
     "llada": (LLaDAConfig, LLaDAModel), "mmada": (MMadaConfig, LLaDAModel),
     "sdar_moe": (SDARMoeConfig, SDARMoeModel), "llada2_moe": (LLaDA2MoeConfig, LLaDA2MoeModel),
+    "lladamoe": (LLaDAMoEConfig, LLaDAMoEModel),
 }
 
 

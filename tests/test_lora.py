@@ -43,7 +43,7 @@ def base_state(model) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items() if "lora_" not in k}
 
 
-@pytest.mark.parametrize("base", ["sdar", "llada", "llada2"])
+@pytest.mark.parametrize("base", ["sdar", "llada", "llada2", "llada_moe"])
 def test_fresh_adapter_is_the_base_model_exactly_and_only_adapters_train(tiny, base):
     adapter = tiny(base)
     before = logits(adapter)

@@ -43,7 +43,8 @@ def test_state_dict_keys_match_reference_names(tiny, model_base):
     assert set(adapter.model.state_dict()) == expected_keys(ref_base, 2)
 
 
-@pytest.mark.parametrize("model_base", ("trado", "sdar", "dream", "llada", "mmada", "sdar_moe", "llada2"))
+@pytest.mark.parametrize("model_base", ("trado", "sdar", "dream", "llada", "mmada", "sdar_moe", "llada2",
+                                        "llada_moe"))
 def test_save_load_round_trip_gives_identical_logits(tmp_path, demo_tokenizer, model_base):
     path = save_tiny_checkpoint(tmp_path / "ckpt", model_base, demo_tokenizer, size="test", seed=3)
     a = load_model({"pretrained_model": str(path), "model_base": model_base, "dtype": "float32"})

@@ -161,7 +161,7 @@ def test_the_router_aux_loss_trains_the_router_when_the_config_asks(demo_tokeniz
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base", ["sdar_moe", "llada2"])
+@pytest.mark.parametrize("base", ["sdar_moe", "llada2", "llada_moe"])
 def test_zero3_two_process_sft_of_the_moe_families(tmp_path, demo_tokenizer, base):
     """Under ZeRO-3 an expert's weights are gathered by a collective when its module runs: every rank must run every
     expert, also one that got none of its tokens (else the ranks wait on each other for ever)."""
@@ -192,7 +192,8 @@ def test_zero3_two_process_sft_of_the_moe_families(tmp_path, demo_tokenizer, bas
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "cpu_zero3_2proc.yaml"), "--main_process_port", str(_free_port()),
            str(ROOT / "tests" / "test_sft.py"),
-           *sft_args(tmp_path, ckpt, **{"training.max_steps": 3, "model.model_base": base})]
+           *sft_args(tmp_path, ckpt, **{"training.max_steps": 3, "model.model_base": base,
+                                         **({"training.method": "random_masking"} if base == "llada_moe" else {})})]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from core.config import job_kind, load_config
+from models.kinds import ATTENTION_OF
 from models.tiny import save_tiny_checkpoint
 from sample.trajectory import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if job_kind(p) in ("rl", "eval"))
-FAMILIES = ("sdar", "dream", "llada", "mmada", "llada2")
+FAMILIES = ("sdar", "dream", "llada", "mmada", "llada2", "llada_moe")
 BUILTIN = {"math": "builtin:arithmetic", "code": "builtin:code"}
 TOKENS = 8
 
@@ -49,7 +50,7 @@ def _tiny(section: str, params, full_attention: bool) -> list[str]:
 def _overrides(path: Path, kind: str, ckpts: dict, out: Path, judge_url: str | None) -> list[str]:
     cfg = _file_config(path, kind)
     base = cfg.model.model_base
-    full = base in ("dream", "llada", "mmada")
+    full = ATTENTION_OF[base] == "full"
     args = [f"config={path}", f"experiment.output_dir={out}", "experiment.num_node=1",
             "experiment.deepspeed_file=null", f"model.pretrained_model={ckpts[base]}", "model.dtype=float32",
             "system.base_dir=null"]

@@ -34,7 +34,7 @@ def demo_args(out: Path, model: Path, base: str = "sdar", **over) -> list[str]:
 def ckpts(tmp_path_factory, demo_tokenizer):
     base = tmp_path_factory.mktemp("rl_ckpts")
     return {m: save_tiny_checkpoint(base / m, m, demo_tokenizer, size="test")
-            for m in ("sdar", "llada", "sdar_moe", "llada2")}
+            for m in ("sdar", "llada", "sdar_moe", "llada2", "llada_moe")}
 
 
 def weights(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -46,7 +46,7 @@ def comparable(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if k not in ("seconds", "tokens_per_second")} for m in metrics]
 
 
-@pytest.mark.parametrize("base", ["sdar", "llada", "sdar_moe", "llada2"])
+@pytest.mark.parametrize("base", ["sdar", "llada", "sdar_moe", "llada2", "llada_moe"])
 def test_two_rl_steps_train_and_write_step_directories(tmp_path, ckpts, base, monkeypatch):
     from tests import rl_harness
 

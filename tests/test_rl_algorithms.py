@@ -271,7 +271,7 @@ def test_cj_grpo_weighs_each_decoding_step_equally():
 
 # ---------------------------------------------------------------- every algorithm on every family
 
-FAMILIES = ("sdar", "dream", "llada", "mmada", "sdar_moe", "llada2")
+FAMILIES = ("sdar", "dream", "llada", "mmada", "sdar_moe", "llada2", "llada_moe")
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ def test_trainer_logprobs_equal_sampler_logprobs_block_model(tiny, demo_tokenize
     torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model_base", ["dream", "llada"])
+@pytest.mark.parametrize("model_base", ["dream", "llada", "llada_moe"])
 def test_trainer_logprobs_equal_sampler_logprobs_full_attention(tiny, demo_tokenizer, model_base):
     adapter = tiny(model_base, seed=1)
     prompts = [demo_tokenizer.encode(p) for p in PROMPTS] + [[]]  # an empty prompt: shifted first token

@@ -97,7 +97,7 @@ def _sampled(adapter, prompts, **kw):
     return trajs
 
 
-@pytest.mark.parametrize("base", ["sdar", "llada", "sdar_moe", "llada2"])
+@pytest.mark.parametrize("base", ["sdar", "llada", "sdar_moe", "llada2", "llada_moe"])
 def test_values_are_read_at_the_state_before_each_step(tiny, demo_tokenizer, base):
     adapter = tiny(base, seed=2)
     extra = {"block_size": 4, "steps": 10, "cache": "none"} if base == "llada" else {}
@@ -114,7 +114,7 @@ def test_values_are_read_at_the_state_before_each_step(tiny, demo_tokenizer, bas
     assert torch.equal(before["s1"], after["s1"])
 
 
-@pytest.mark.parametrize("base", ["sdar_moe", "llada2"])
+@pytest.mark.parametrize("base", ["sdar_moe", "llada2", "llada_moe"])
 def test_moe_value_model_copies_the_policy_backbone_and_round_trips(tmp_path, tiny, base):
     policy = tiny(base, seed=5).model
     value = value_model_from_policy(policy)

@@ -9,7 +9,13 @@ from core.entry import check_single_node, relaunch_if_requested, run_job
 from core.loader import ConfigError
 
 FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado", "sdar_moe"), "dream": ("dream",),
-                "llada": ("llada",), "mmada": ("mmada", "llada"), "llada2": ("llada2",)}
+                "llada": ("llada", "llada_moe"), "mmada": ("mmada", "llada"), "llada2": ("llada2",)}
+
+
+def script_family(model_base: str) -> str:
+    """The ``train/sft_<family>.py`` script that trains ``model_base`` (LLaDA-MoE's is sft_llada.py)."""
+    return next((f for f, bases in FAMILY_BASES.items() if bases[0] == model_base), None) or next(
+        f for f, bases in FAMILY_BASES.items() if model_base in bases)
 
 
 def main(family: str, argv: list[str] | None = None) -> int:
@@ -19,7 +25,7 @@ def main(family: str, argv: list[str] | None = None) -> int:
     def job() -> None:
         if cfg.model.model_base not in FAMILY_BASES[family]:
             raise ConfigError(f"key 'model.model_base' is {cfg.model.model_base!r} but this is train/sft_{family}.py "
-                              f"(use train/sft_{cfg.model.model_base}.py)", "model.model_base")
+                              f"(use train/sft_{script_family(cfg.model.model_base)}.py)", "model.model_base")
         launcher = "accelerate_configs/<nodes>_node_8_gpus_deepspeed_zero3.yaml"
         check_single_node(cfg, f"accelerate launch --config_file {launcher} --machine_rank <node index> "
                                f"--main_process_ip <node 0> train/sft_{family}.py config=...")

@@ -5,14 +5,12 @@ the public checkpoint's (``mlp.gate.weight``, ``mlp.experts.{i}.{gate,up,down}_p
 
 from __future__ import annotations
 
-from torch import Tensor
-
-from models.moe import SparseMoeBlock, is_moe_layer
+from models.moe import MoeBackboneMixin, SparseMoeBlock, is_moe_layer
 from models.sdar.modeling_sdar import SDARForCausalLM, SDARModel, SDARPreTrainedModel
 from models.sdar_moe.configuration_sdar_moe import SDARMoeConfig
 
 
-class SDARMoeModel(SDARModel):
+class SDARMoeModel(MoeBackboneMixin, SDARModel):
     config_class = SDARMoeConfig
 
     def __init__(self, config: SDARMoeConfig):
@@ -22,14 +20,6 @@ class SDARMoeModel(SDARModel):
         self.build_backbone(config, qkv_bias=config.attention_bias, qk_norm=getattr(config, "qk_norm", True),
                             mlp_of_layer=lambda i: SparseMoeBlock(config) if is_moe_layer(config, i) else None)
         self.post_init()
-
-    def moe_blocks(self) -> list[SparseMoeBlock]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
-
-    def router_aux_loss(self) -> Tensor | None:
-        """Mean load-balancing loss over the sparse layers of the last forward (None unless output_router_logits)."""
-        losses = [loss for loss in (b.aux_loss() for b in self.moe_blocks()) if loss is not None]
-        return sum(losses) / len(losses) if losses else None
 
 
 class SDARMoeForCausalLM(SDARForCausalLM):
