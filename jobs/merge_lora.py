@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,13 +22,34 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of the saved weights (default: the base checkpoint's)")
     args = parser.parse_args(argv)
     from core.entry import run_job
-    from models.lora import merge_adapter_checkpoint
 
     def job() -> None:
         out = merge_adapter_checkpoint(args.base, args.adapter, args.out, args.model_base, args.dtype)
         print(f"merged checkpoint: {out}")
 
     return run_job(job)  # a user error: one line, exit status 2
+
+
+def merge_adapter_checkpoint(base: str | Path, adapter: str | Path, out: str | Path, model_base: str,
+                             dtype: str | None = None) -> Path:
+    """Write ``out``: the whole checkpoint of ``base`` with the adapter merged (``load_model`` / eval.py read it).
+    The merge runs in float32; the weights are saved in ``dtype`` (default: the base checkpoint's own)."""
+    from models.lora import merged_model
+    from models.registry import DTYPES, ModelLoadError, load_model
+
+    out = Path(out)
+    if dtype is None:
+        config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8")) \
+            if (Path(base) / "config.json").is_file() else {}
+        dtype = next((str(config[k]) for k in ("dtype", "torch_dtype") if str(config.get(k)) in DTYPES), "float32")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    loaded = load_model({"pretrained_model": str(base), "model_base": model_base, "dtype": "float32"})
+    model = merged_model(loaded.model, adapter).to(DTYPES[dtype])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    loaded.tokenizer.save_pretrained(str(out))
+    return out
 
 
 if __name__ == "__main__":

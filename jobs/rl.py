@@ -61,8 +61,8 @@ from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
 from jobs.sft import run_sft
 from jobs.trackers import start_trackers
-from models.lora import load_policy, wrapped_model
-from models.registry import load_model
+from models.lora import wrapped_model
+from models.registry import family_spec, load_model, load_policy
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages, overlong_penalty
 from sample.trajectory import Trajectory, write_jsonl
@@ -282,7 +282,8 @@ class RLJob:
             del base
             if cfg.lora.enabled:
                 lora = replace_settings(cfg.lora, load_in_4bit=False)  # the value backbone is never quantised
-                model = wrapped_model(model, lora, cfg.model.model_base, saved, also_save=("value_head",))
+                model = wrapped_model(model, lora, family_spec(cfg.model.model_base).lora_targets, saved,
+                                      also_save=("value_head",))
         model = model.to(next(self.adapter.model.parameters()).device)
         adapter = dataclasses.replace(self.adapter, model=model)
         params = replace_settings(cfg.optimizer.params, learning_rate=cfg.optimizer.params.value_learning_rate)

@@ -37,8 +37,7 @@ from data.tasks import arithmetic_task
 from jobs.checkpoint import check_fresh_run_dir, checkpoint_problem, empty_run_dir, load_checkpoint, save_checkpoint
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main
-from models.lora import load_policy
-from models.registry import family_spec
+from models.registry import family_spec, load_policy
 from sample.trajectory import Trajectory
 from train.accelerator import build_accelerator
 from train.sft_trainer import SFTTrainer, sft_sample

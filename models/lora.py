@@ -1,7 +1,7 @@
 """LoRA and QLoRA adapters through peft: the ``lora`` config section, wrapping a loaded policy, sampling on merged
 weights, adapter checkpoints and merging an adapter into a whole checkpoint.
 
-* Wrapping: ``load_policy`` loads the base model (``load_model``) and wraps ``adapter.model`` with
+* Wrapping: ``models.registry.load_policy`` loads the base model and ``wrap`` wraps ``adapter.model`` with
   ``peft.get_peft_model`` (a fresh adapter, B = 0: the model's outputs are the base model's exactly) or with
   ``PeftModel.from_pretrained(..., is_trainable=True)`` (a resumed adapter). The base weights are frozen, so the
   trainer's optimizer (AdamW over ``requires_grad`` parameters) holds only the adapter's.
@@ -13,21 +13,25 @@ weights, adapter checkpoints and merging an adapter into a whole checkpoint.
   copies cost one transient copy of the adapted weights. 4-bit (QLoRA) layers are not merged (it would
   requantise): they sample as is.
 * Checkpoints: a PeftModel's ``save_pretrained`` writes the adapter in peft's format (``adapter_config.json``,
-  ``adapter_model.safetensors``); ``merge_adapter_checkpoint`` (``python -m jobs.merge_lora``) writes a whole
-  checkpoint that ``load_model`` and eval.py read; ``load_model`` with ``model.adapter`` merges one at load.
+  ``adapter_model.safetensors``); ``python -m jobs.merge_lora`` writes a whole checkpoint with the adapter merged
+  (``merged_model``) that ``load_model`` and eval.py read; ``load_model`` with ``model.adapter`` merges one at load.
+
+The family's default targets come with the adapter (``Adapter.lora_targets``): this module reads nothing of the
+registry, which imports it.
 
 This module imports neither torch nor peft at import time (config loading imports it before torch).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from core.schema import SettingError, Settings, bounded
+from models.errors import ModelLoadError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -58,12 +62,6 @@ class LoraSettings(Settings):
                                                "on a 4-bit base)")
 
 
-def _model_error(message: str) -> Exception:
-    from models.registry import ModelLoadError
-
-    return ModelLoadError(message)
-
-
 def is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
@@ -85,19 +83,17 @@ def _head_names(model: Any) -> list[str]:
         isinstance(m, nn.Linear) and m.out_features == vocab))]
 
 
-def peft_config(settings: LoraSettings, model: Any, model_base: str) -> Any:
-    """peft's LoraConfig for ``model``: target modules checked against the model's own module names."""
+def peft_config(settings: LoraSettings, model: Any, family_targets: Sequence[str]) -> Any:
+    """peft's LoraConfig for ``model``: ``settings.target_modules`` or else the family's default targets (the
+    registry's ``lora_targets``), checked against the model's own module names."""
     from peft import LoraConfig
 
-    from models.registry import family_spec
-
     names = family_linear_names(model)
-    targets = list(settings.target_modules) if settings.target_modules is not None \
-        else list(family_spec(model_base).lora_targets)
+    targets = list(settings.target_modules if settings.target_modules is not None else family_targets)
     unknown = [t for t in targets if t not in names]
     if not targets or unknown:
-        raise _model_error(f"lora.target_modules {unknown or targets} match no module of this {model_base} model; "
-                           f"its linear modules are {names}")
+        raise ModelLoadError(f"lora.target_modules {unknown or targets} match no module of this "
+                             f"{type(model).__name__}; its linear modules are {names}")
     heads = _head_names(model)
     exclude = heads if heads and settings.target_modules is None else None  # LLaDA's head is also named ff_out
     return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
@@ -107,12 +103,12 @@ def peft_config(settings: LoraSettings, model: Any, model_base: str) -> Any:
 
 def wrap(adapter: Any, settings: LoraSettings, resume: str | Path | None = None) -> Any:
     """Wrap ``adapter.model`` with fresh LoRA adapters, or with the adapter saved in ``resume`` (trainable)."""
-    adapter.model = wrapped_model(adapter.model, settings, adapter.model_base, resume)
+    adapter.model = wrapped_model(adapter.model, settings, adapter.lora_targets, resume)
     return adapter
 
 
-def wrapped_model(model: Any, settings: LoraSettings, model_base: str, resume: str | Path | None = None,
-                  also_save: tuple[str, ...] = ()) -> Any:
+def wrapped_model(model: Any, settings: LoraSettings, family_targets: Sequence[str],
+                  resume: str | Path | None = None, also_save: tuple[str, ...] = ()) -> Any:
     """``model`` as a trainable PeftModel: fresh adapters (seeded by ``settings.init_seed``) or those in ``resume``.
     ``also_save``: modules trained whole beside ``settings.modules_to_save`` (the value model's head)."""
     from peft import get_peft_model
@@ -125,7 +121,7 @@ def wrapped_model(model: Any, settings: LoraSettings, model_base: str, resume: s
         return load_adapter(model, resume, trainable=True)
     import torch
 
-    config = peft_config(settings, model, model_base)
+    config = peft_config(settings, model, family_targets)
     if also_save:
         config.modules_to_save = sorted({*(config.modules_to_save or ()), *also_save})
     devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
@@ -134,30 +130,16 @@ def wrapped_model(model: Any, settings: LoraSettings, model_base: str, resume: s
         return get_peft_model(model, config)
 
 
-def load_policy(model_cfg: Any, settings: LoraSettings | None, resume_adapter: str | Path | None,
-                device: Any) -> Any:
-    """The policy of a training job: ``load_model(model_cfg)`` (the base when LoRA is on: ``resume_adapter`` is
-    the saved adapter to continue from), wrapped with LoRA adapters when ``settings.enabled``."""
-    from core.schema import replace
-    from models.registry import load_model
-
-    if settings is None or not settings.enabled:
-        return load_model(model_cfg if resume_adapter is None else replace(model_cfg, pretrained_model=str(
-            resume_adapter)), device=device)
-    adapter = load_model(model_cfg, device=device, load_in_4bit=settings.load_in_4bit)
-    return wrap(adapter, settings, resume_adapter)
-
-
 def _check_adapter_fits(model: Any, path: Path) -> None:
     """One line when the adapter in ``path`` was not trained on this base model (missing modules, other shapes)."""
     from safetensors import safe_open
     from torch import nn
 
     if not (path / ADAPTER_CONFIG).is_file():
-        raise _model_error(f"{path} is not a LoRA adapter folder (no {ADAPTER_CONFIG})")
+        raise ModelLoadError(f"{path} is not a LoRA adapter folder (no {ADAPTER_CONFIG})")
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
-        raise _model_error(f"{path}: no {ADAPTER_WEIGHTS}")
+        raise ModelLoadError(f"{path}: no {ADAPTER_WEIGHTS}")
     modules = dict(model.named_modules())
     with safe_open(str(weights), framework="pt") as fh:
         for key in fh.keys():  # noqa: SIM118 - a safetensors handle is not iterable
@@ -167,12 +149,12 @@ def _check_adapter_fits(model: Any, path: Path) -> None:
                 name = key.split(f".{kind}.")[0].removeprefix("base_model.model.")
                 module = modules.get(name)
                 if module is None or not isinstance(getattr(module, "weight", None), nn.Parameter):
-                    raise _model_error(f"{path}: the adapter does not match this base model (it adapts {name!r}, "
+                    raise ModelLoadError(f"{path}: the adapter does not match this base model (it adapts {name!r}, "
                                        "which the base model does not have)")
                 shape = fh.get_slice(key).get_shape()
                 fits = shape[1] == module.in_features if kind == "lora_A" else shape[0] == module.out_features
                 if not fits:
-                    raise _model_error(f"{path}: the adapter does not match this base model ({name} is "
+                    raise ModelLoadError(f"{path}: the adapter does not match this base model ({name} is "
                                        f"{module.in_features}->{module.out_features} there, the adapter's {kind} "
                                        f"is {list(shape)})")
 
@@ -187,7 +169,7 @@ def load_adapter(model: Any, path: str | Path, trainable: bool = False) -> Any:
         return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
     except Exception as e:  # noqa: BLE001 - a broken adapter folder: one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise _model_error(f"{path}: cannot load the adapter ({type(e).__name__}: {first[:300]})") from None
+        raise ModelLoadError(f"{path}: cannot load the adapter ({type(e).__name__}: {first[:300]})") from None
 
 
 def merged_model(model: Any, path: str | Path) -> Any:
@@ -227,24 +209,3 @@ def merged_for_sampling(model: Any):
         for layer, data in saved:
             layer.base_layer.weight.data = data
             layer.merged_adapters = []
-
-
-def merge_adapter_checkpoint(base: str | Path, adapter: str | Path, out: str | Path, model_base: str,
-                             dtype: str | None = None) -> Path:
-    """Write ``out``: the whole checkpoint of ``base`` with the adapter merged (``load_model`` / eval.py read it).
-    The merge runs in float32; the weights are saved in ``dtype`` (default: the base checkpoint's own)."""
-    from models.registry import DTYPES, load_model
-
-    out = Path(out)
-    if dtype is None:
-        config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8")) \
-            if (Path(base) / "config.json").is_file() else {}
-        dtype = next((str(config[k]) for k in ("dtype", "torch_dtype") if str(config.get(k)) in DTYPES), "float32")
-    if dtype not in DTYPES:
-        raise _model_error(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    loaded = load_model({"pretrained_model": str(base), "model_base": model_base, "dtype": "float32"})
-    model = merged_model(loaded.model, adapter).to(DTYPES[dtype])
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    loaded.tokenizer.save_pretrained(str(out))
-    return out

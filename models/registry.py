@@ -17,19 +17,15 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from core.errors import UserError
 from models.common import AttentionLayout, KVCache
 from models.dream import DreamConfig, DreamModel
+from models.errors import ModelLoadError
 from models.kinds import ATTENTION_OF
 from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM
 from models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM
 from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
 from models.sdar_moe import SDARMoeConfig, SDARMoeForCausalLM, SDARMoeModel
-
-
-class ModelLoadError(UserError, ValueError):
-    """A user-facing loading problem (unknown model_base, missing path, mismatched checkpoint, bad tokenizer)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +99,7 @@ class Adapter:
     shift_logits: bool
     tokenizer: Any = None
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    lora_targets: tuple[str, ...] = ()  # the family's default LoRA target modules (FamilySpec.lora_targets)
 
     @property
     def backbone(self):
@@ -179,7 +176,7 @@ def make_adapter(model: Any, tokenizer: Any, model_base: str, block_size: int | 
     bs = block_size or (getattr(model.config, "block_size", None) if spec.attention == "block" else None)
     return Adapter(model=model, model_base=model_base, family=spec.family, attention=spec.attention,
                    block_size=bs, mask_id=mask_id, pad_id=pad_id, eos_ids=eos_ids, shift_logits=spec.shift_logits,
-                   tokenizer=tokenizer, stop_ids=stop_ids)
+                   tokenizer=tokenizer, stop_ids=stop_ids, lora_targets=spec.lora_targets)
 
 
 def _mask_id(tokenizer: Any, model: Any) -> int:
@@ -246,6 +243,20 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
         raise ModelLoadError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
                              f"{rows} rows (a tokenizer of another model? set model.tokenizer)")
     return make_adapter(model, tokenizer, model_base)
+
+
+def load_policy(model_cfg: Any, lora: Any, resume_adapter: str | Path | None, device: Any) -> Adapter:
+    """The policy of a training job: ``load_model(model_cfg)``, wrapped with LoRA adapters (models/lora.py) when
+    ``lora.enabled``: fresh ones, or those saved in ``resume_adapter`` to continue from. Without LoRA,
+    ``resume_adapter`` is a whole checkpoint to load instead of ``model_cfg.pretrained_model``."""
+    from core.schema import replace
+
+    if lora is None or not lora.enabled:
+        return load_model(model_cfg if resume_adapter is None else replace(model_cfg, pretrained_model=str(
+            resume_adapter)), device=device)
+    from models.lora import wrap
+
+    return wrap(load_model(model_cfg, device=device, load_in_4bit=lora.load_in_4bit), lora, resume_adapter)
 
 
 def is_llada_moe(config: dict) -> bool:
