@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from core.config import load_config_or_exit
 from core.entry import check_single_node, relaunch_if_requested, run_job
+from jobs.config import load_config_or_exit
 
 
 def main(argv: list[str] | None = None) -> int:

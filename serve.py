@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from core.config import load_config_or_exit
 from core.entry import run_job
+from jobs.config import load_config_or_exit
 
 FLAGS = {"--host": "server.host", "--port": "server.port", "--api-key": "server.api_key"}
 

@@ -92,7 +92,7 @@ def _trainable(model) -> int:
 
 
 def measure_sft(model: Path, mode: str, out: Path, args) -> dict:
-    from core.config import load_config
+    from jobs.config import load_config
     from jobs.sft import SFTJob
 
     cfg = load_config(["config=configs/demo/sft_demo.yaml", f"model.pretrained_model={model}",
@@ -114,7 +114,7 @@ def measure_sft(model: Path, mode: str, out: Path, args) -> dict:
 
 
 def measure_rl(model: Path, mode: str, out: Path, args) -> dict:
-    from core.config import load_config
+    from jobs.config import load_config
     from jobs.rl import RLJob
 
     cfg = load_config(["config=configs/demo/rl_demo.yaml", f"model.pretrained_model={model}",

@@ -128,8 +128,8 @@ def job_argv(method: str, task: str, seed: int, args: argparse.Namespace, advant
 
 def config_refusal(argv: list[str]) -> str:
     """The one-line error of loading the job's config ("" when it loads)."""
-    from core.config import load_config
     from core.loader import ConfigError
+    from jobs.config import load_config
 
     try:
         load_config(argv, "rl")
@@ -152,7 +152,7 @@ def ensure_start_model(model: str) -> None:
         return
     if Path(model).as_posix().rstrip("/") not in START_MODELS.values():  # only the demo's own starts are built
         raise BenchError(f"--model {model}: no checkpoint there (config.json missing)")
-    code = ("from core.config import load_config; from jobs.demo import ensure_demo_model; from jobs.sft import "
+    code = ("from jobs.config import load_config; from jobs.demo import ensure_demo_model; from jobs.sft import "
             f"run_sft; ensure_demo_model(load_config(['config={BASE_CONFIG}', 'model.pretrained_model={model}'],"
             " 'rl').model, run_sft)")
     if subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode != 0:
@@ -184,8 +184,8 @@ def run_job(argv: list[str], log: Path) -> dict:
 
 def child(argv: list[str]) -> int:
     """The job's process: rl.py's job in-process, then its peak GPU memory on one line."""
-    from core.config import load_config_or_exit
     from core.entry import run_job as run_entry
+    from jobs.config import load_config_or_exit
 
     cfg = load_config_or_exit("rl", argv)
 
@@ -498,7 +498,7 @@ def run_all(args: argparse.Namespace, device: str) -> tuple[list[dict], list[str
     for task in tasks:
         print(f"start of {task}: {start_model(task, args)}", flush=True)
         ensure_start_model(start_model(task, args))
-    from core.config import load_config
+    from jobs.config import load_config
 
     advantage = load_config([f"config={BASE_CONFIG}"], "rl").reward.advantage
     cells: list[dict] = []

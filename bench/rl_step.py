@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench import hardware_line
-from core.config import load_config
+from jobs.config import load_config
 from jobs.rl import RLJob
 from models.registry import load_model
 from train.policy_trainer import PolicyTrainer

@@ -1,1 +1,2 @@
-"""Shared utilities every layer may import (configuration, logging); imports no other package of ours."""
+"""The ground floor: typed settings (schema), config loading (loader), atomic files and run directories (files),
+the user-error base class (errors); imports no other package of ours."""

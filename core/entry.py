@@ -15,12 +15,11 @@ class Terminated(KeyboardInterrupt):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that describe a problem the user can fix (their message is the whole story)."""
+    """Exceptions that describe a problem the user can fix (their message is the whole story): every package's
+    user errors subclass ``core.errors.UserError``."""
     from core.errors import UserError
-    from core.loader import ConfigError
-    from data.formats import DataFormatError
 
-    return UserError, ConfigError, DataFormatError, FileNotFoundError
+    return UserError, FileNotFoundError
 
 
 def launched() -> bool:

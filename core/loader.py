@@ -4,7 +4,7 @@ The schema of a job kind is a tree of section dataclasses (see core/schema.py). 
 1. reads the file and the overrides (values are YAML scalars: ``1e-5`` is a float, ``[0,1]`` a list, ``null`` is
    None; overrides apply in order after the file; ``???`` is refused: a value is required);
 2. maps the reference implementation's renamed keys (:data:`RENAMES`, one table) and drops, with a printed
-   notice, reference keys that have no effect here (per job kind, core/config.py ``NO_EFFECT``);
+   notice, reference keys that have no effect here (per job kind, jobs/config.py ``NO_EFFECT``);
 3. rejects unknown keys naming the file and the closest valid key, and unsupported ones with the reason;
 4. fills defaults from the dataclasses, lets a section follow another (``evaluation`` keys that are not set follow
    ``rollout``), resolves ``${a.b}`` interpolations, coerces types (int -> float, number -> str);
@@ -32,13 +32,14 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from core.errors import UserError
 from core.schema import SettingError, config_fields, describe_type
 
 REQUIRED = "???"
 USAGE = "usage: <script> config=path/to/job.yaml [key.sub=value ...]"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user-facing configuration error; the message is one line naming the key and the file."""
 
     def __init__(self, message: str, key: str | None = None, source: str | None = None):

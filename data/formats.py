@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from core.errors import UserError
+
 __all__ = ["KINDS", "DataFormatError", "validate_row", "validate_rows", "row_kind", "load_dataset_file",
            "save_dataset_file"]
 
@@ -19,7 +21,7 @@ TEST_METHODS = ("function", "stdio")
 DEFAULT_TEST_TIME_LIMIT = 1.0
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserError, ValueError):
     """A dataset file or row does not match its format."""
 
 

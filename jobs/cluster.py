@@ -127,8 +127,8 @@ def launch_command(script: str, argv: list[str], node: NodeEnv, deepspeed_file: 
 
 def multinode_main(kind: str, script: str, argv: list[str] | None = None) -> int:
     """``multinode_<kind>.py``: load the config (before torch), then exec this node's ``accelerate launch``."""
-    from core.config import load_config_or_exit
     from core.entry import run_job
+    from jobs.config import load_config_or_exit
 
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_config_or_exit(kind, argv)

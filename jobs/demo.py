@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from core.config import DEMO_MODEL_DIRS, load_config
+from jobs.config import DEMO_MODEL_DIRS, load_config
 from models.registry import ModelLoadError
 
 # The demo's SFT models and the config that trains each: arithmetic (the RL demo's start) and Countdown (the

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core.config import config_text
 from core.files import StagedRun, write_atomic
 from core.loader import ConfigError
+from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main, rank_world
 from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded

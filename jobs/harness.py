@@ -26,9 +26,9 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from core.config import ExperimentConfig
 from core.schema import SettingError, config_fields, replace
 from data.prompts import chat_ids, prompt_messages
+from jobs.config import ExperimentConfig
 from jobs.dist import default_device
 from jobs.rollout import check_for_model
 from models.registry import load_model

@@ -42,7 +42,6 @@ from typing import Any
 
 from accelerate.utils import DistributedType
 
-from core.config import config_text
 from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
 from core.schema import replace as replace_settings
 from core.schema import to_dict
@@ -55,6 +54,7 @@ from jobs.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored

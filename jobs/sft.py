@@ -27,7 +27,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from core.config import config_text
 from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
 from core.schema import replace
 from data.formats import DataFormatError, read_raw_rows
@@ -35,6 +34,7 @@ from data.prompts import prompt_ids
 from data.puzzles import countdown_task, sudoku_task
 from data.tasks import arithmetic_task
 from jobs.checkpoint import check_fresh_run_dir, checkpoint_problem, empty_run_dir, load_checkpoint, save_checkpoint
+from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main
 from models.registry import family_spec, load_policy

@@ -120,7 +120,7 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
 
 
 def test_distilled_rows_are_the_ar_models_own_greedy_answers_and_train_the_converted_model(tmp_path, ar_tokenizer):
-    from core.config import load_config
+    from jobs.config import load_config
     from jobs.distill import main as distill_main
     from jobs.distill import scored_rows
     from jobs.sft import run_sft

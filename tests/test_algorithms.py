@@ -6,8 +6,8 @@ import importlib
 
 import pytest
 
-from core.config import load_config
 from core.loader import ConfigError
+from jobs.config import load_config
 from train.algorithms import REGISTRY, algorithm, canonical_method
 from train.algorithms.base import Algorithm
 from train.settings import ViewConfig
@@ -42,7 +42,7 @@ def test_ar_refuses_models_without_shifted_logits():
 
 
 def test_rl_job_refuses_an_sft_method():
-    from core.config import ConfigError, load_config
+    from jobs.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="training.method 'semi_ar' is an SFT method"):
         load_config(["config=configs/demo/rl_demo.yaml", "training.method=semi_ar"], "rl")

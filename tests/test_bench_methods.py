@@ -73,7 +73,7 @@ def test_job_arguments_load_for_both_tasks_and_fix_the_seed(tmp_path):
     for task in bm.TASKS:
         argv = bm.job_argv("coupled", task, 2, args, "grpo")
         assert bm.config_refusal(argv) == ""
-        from core.config import load_config
+        from jobs.config import load_config
 
         cfg = load_config(argv, "rl")
         assert (cfg.training.method, cfg.experiment.seed, cfg.training.seed) == ("coupled", 2, 2)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from core.config import SCHEMAS, ConfigError, config_text, job_kind, load_config, load_config_or_exit, main
 from core.schema import to_dict
+from jobs.config import SCHEMAS, ConfigError, config_text, job_kind, load_config, load_config_or_exit, main
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams
 from train.settings import LossConfig, OptimizerParams, RLTrainingConfig, ViewConfig

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from core.config import NO_EFFECT, SCHEMAS, UNSUPPORTED
 from core.schema import config_fields, record_reads
+from jobs.config import NO_EFFECT, SCHEMAS, UNSUPPORTED
 from models.tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_e
 
 
 def test_every_sft_key_is_consumed(tmp_path, demo_tokenizer):
-    from train.sft_entry import main
+    from jobs.sft_entry import main
 
     sdar = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
     common = ["config=configs/demo/sft_demo.yaml", f"experiment.output_dir={tmp_path / 'out'}",

@@ -25,6 +25,7 @@ from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
 from models.llada2.modeling_llada2_moe import LLaDA2SparseMoeBlock
 from models.moe import naive_expert_compute
 from models.registry import Adapter, load_model, make_adapter
+from tests.golden import fill_seeded
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "llada2_golden.json"
@@ -37,24 +38,10 @@ TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_atten
 
 
 def seeded_model(vocab_size: int, mask_token_id: int, eos_token_id: int, block_size: int = 4) -> LLaDA2MoeModelLM:
-    """The golden model: every parameter and expert bias drawn from one seeded generator in name order (norm weights
-    near 1, the LM head sharp enough that some confidences pass a threshold)."""
+    """The golden model (tests/golden.py)."""
     cfg = LLaDA2MoeConfig(vocab_size=vocab_size, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
                           pad_token_id=eos_token_id, block_size=block_size, **TINY)
-    model = LLaDA2MoeModelLM(cfg).eval()
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
-            noise = torch.randn(tensor.shape, generator=g)
-            if "norm" in name:
-                tensor.copy_(1 + 0.1 * noise)
-            elif name.endswith("expert_bias"):
-                tensor.copy_(0.1 * noise)
-            elif name == "lm_head.weight":
-                tensor.copy_(0.5 * noise)
-            else:
-                tensor.copy_(0.1 * noise)
-    return model
+    return fill_seeded(LLaDA2MoeModelLM(cfg).eval(), 1234, weight=0.1, bias=0.1, head=0.5)
 
 
 def golden_ids(vocab_size: int) -> torch.Tensor:
@@ -182,31 +169,6 @@ def test_save_and_load_keep_the_expert_bias_and_the_logits(tmp_path, demo_tokeni
 def test_options_we_do_not_implement_are_refused(option, message):
     with pytest.raises(ValueError, match=message):
         LLaDA2MoeConfig(**{**TINY, **option})
-
-
-def test_sft_job_trains_a_llada2_checkpoint_and_keeps_the_expert_bias(tmp_path, demo_tokenizer):
-    from safetensors.torch import load_file
-
-    from core.config import load_config
-    from jobs.sft import run_sft
-    from tests.test_sft import sft_args
-
-    model = seeded_model(len(demo_tokenizer), demo_tokenizer.mask_token_id, demo_tokenizer.eos_token_id)
-    model.save_pretrained(tmp_path / "base")
-    demo_tokenizer.save_pretrained(tmp_path / "base")
-    out = run_sft(load_config(sft_args(tmp_path, tmp_path / "base", **{"model.model_base": "llada2",
-                                                                      "training.max_steps": 4}), "sft"),
-                  progress=False)
-    start, end = load_file(str(tmp_path / "base" / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert set(start) == set(end)
-    assert max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
-    bias = [k for k in start if k.endswith("expert_bias")]
-    assert bias and all(torch.equal(start[k], end[k]) for k in bias)
-    lines = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 4 and all(math.isfinite(x["nll"]) for x in lines)
-
-
-# ------------------------------------------------------------------------------------------ token editing (LLaDA2.1)
 
 
 def test_token_editing_equals_the_authors_generate(demo_tokenizer):

@@ -11,7 +11,6 @@ bidirectional attention; run outside this repository under transformers 4.52.4) 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from models.llada_moe import LLaDAMoEConfig, LLaDAMoEModelLM
 from models.llada_moe.modeling_llada_moe import LLaDAMoESparseMoeBlock
 from models.moe import naive_expert_compute
 from models.registry import ModelLoadError, load_model, make_adapter
+from tests.golden import fill_seeded
 
 GOLDEN = Path(__file__).parent / "fixtures" / "llada_moe_golden.json"
 # A tiny LLaDA-MoE with every feature the authors' code has: GQA, partial rotary (4 of 8 dims), a dense first layer
@@ -34,24 +34,10 @@ TINY = dict(hidden_size=32, dense_intermediate_size=48, expert_intermediate_size
 
 def seeded_model(vocab_size: int, mask_token_id: int, eos_token_id: int, clip_qkv: float | None = None
                  ) -> LLaDAMoEModelLM:
-    """The golden model: every parameter and expert bias drawn from one seeded generator in name order (norm weights
-    near 1, the LM head sharp)."""
+    """The golden model (tests/golden.py)."""
     cfg = LLaDAMoEConfig(vocab_size=vocab_size, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
                          pad_token_id=eos_token_id, clip_qkv=clip_qkv, **TINY)
-    model = LLaDAMoEModelLM(cfg).eval()
-    g = torch.Generator().manual_seed(4321)
-    with torch.no_grad():
-        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
-            noise = torch.randn(tensor.shape, generator=g)
-            if "norm" in name:
-                tensor.copy_(1 + 0.1 * noise)
-            elif name.endswith("expert_bias"):
-                tensor.copy_(0.05 * noise)
-            elif name == "lm_head.weight":
-                tensor.copy_(0.25 * noise)
-            else:
-                tensor.copy_(0.15 * noise)
-    return model
+    return fill_seeded(LLaDAMoEModelLM(cfg).eval(), 4321, weight=0.15, bias=0.05, head=0.25)
 
 
 def golden_ids(vocab_size: int) -> torch.Tensor:
@@ -170,29 +156,6 @@ def test_options_we_do_not_implement_or_that_do_not_fit_are_refused(option, mess
         LLaDAMoEConfig(**{**TINY, **option})
 
 
-def test_sft_job_trains_a_llada_moe_checkpoint_and_keeps_the_expert_bias(tmp_path, demo_tokenizer):
-    from safetensors.torch import load_file
-
-    from core.config import load_config
-    from jobs.sft import run_sft
-    from tests.test_sft import sft_args
-
-    model = seeded_model(len(demo_tokenizer), demo_tokenizer.mask_token_id, demo_tokenizer.eos_token_id)
-    model.save_pretrained(tmp_path / "base")
-    demo_tokenizer.save_pretrained(tmp_path / "base")
-    out = run_sft(load_config(sft_args(tmp_path, tmp_path / "base", **{"model.model_base": "llada_moe",
-                                                                      "training.method": "random_masking",
-                                                                      "training.max_steps": 4}), "sft"),
-                  progress=False)
-    start, end = load_file(str(tmp_path / "base" / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert set(start) == set(end)
-    assert max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
-    bias = [k for k in start if k.endswith("expert_bias")]
-    assert len(bias) == 2 and all(torch.equal(start[k], end[k]) for k in bias)
-    lines = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 4 and all(math.isfinite(x["nll"]) for x in lines)
-
-
 def test_adapter_stops_at_the_turn_end_of_the_ling_template(demo_tokenizer):
     model = seeded_model(len(demo_tokenizer), demo_tokenizer.mask_token_id, demo_tokenizer.eos_token_id)
     adapter = make_adapter(model, demo_tokenizer, "llada_moe")
@@ -201,7 +164,7 @@ def test_adapter_stops_at_the_turn_end_of_the_ling_template(demo_tokenizer):
 
 
 def test_the_sft_script_of_each_model_base_exists():
-    from train.sft_entry import FAMILY_BASES, script_family
+    from jobs.sft_entry import FAMILY_BASES, script_family
 
     root = Path(__file__).resolve().parents[1]
     assert script_family("llada_moe") == "llada" and script_family("sdar_moe") == "sdar"

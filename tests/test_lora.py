@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import ConfigError, load_config
+from jobs.config import ConfigError, load_config
 from models.common import AttentionLayout
 from models.layers import Projections, packed_projections
 from models.lora import LoraSettings, load_adapter, merged_for_sampling, wrap

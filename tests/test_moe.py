@@ -165,16 +165,10 @@ def test_the_router_aux_loss_trains_the_router_when_the_config_asks(demo_tokeniz
 def test_zero3_two_process_sft_of_the_moe_families(tmp_path, demo_tokenizer, base):
     """Under ZeRO-3 an expert's weights are gathered by a collective when its module runs: every rank must run every
     expert, also one that got none of its tokens (else the ranks wait on each other for ever)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     from models.tiny import build_tiny
-    from tests.test_sft import ROOT, sft_args
-    from tests.test_train_distributed import _free_port
+    from tests.test_sft import two_process_sft
 
     # top-1 of 8 experts behind a sharp router: each rank's tokens leave some experts idle, and not the same ones
     adapter = build_tiny(base, demo_tokenizer, seed=1, num_experts_per_tok=1, **({"n_group": 1, "topk_group": 1}
@@ -186,20 +180,11 @@ def test_zero3_two_process_sft_of_the_moe_families(tmp_path, demo_tokenizer, bas
     ckpt = tmp_path / "base"
     adapter.model.save_pretrained(ckpt)
     demo_tokenizer.save_pretrained(ckpt)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SFT_DIGEST=str(tmp_path / "w"),
-               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "cpu_zero3_2proc.yaml"), "--main_process_port", str(_free_port()),
-           str(ROOT / "tests" / "test_sft.py"),
-           *sft_args(tmp_path, ckpt, **{"training.max_steps": 3, "model.model_base": base,
-                                         **({"training.method": "random_masking"} if base == "llada_moe" else {})})]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["num_processes"] == 2 and ranks[0]["digest"] == ranks[1]["digest"]
+    out = two_process_sft(tmp_path, ckpt, "cpu_zero3_2proc.yaml", **{
+        "training.max_steps": 3, "model.model_base": base,
+        **({"training.method": "random_masking"} if base == "llada_moe" else {})})
     start = load_file(str(ckpt / "model.safetensors"))
-    end = load_file(str(tmp_path / "sft" / "ckpt" / "optimized" / "model.safetensors"))
+    end = load_file(str(out / "model.safetensors"))
     assert set(start) == set(end) and max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
 
 
@@ -220,3 +205,40 @@ def test_every_expert_runs_when_zero3_partitions_them(monkeypatch):
     out = grouped_expert_compute(x, weights, index, experts)
     assert calls == [(0, 2), (1, 0), (2, 1), (3, 0)]  # every rank gathers every expert, in order
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("base", ["llada2", "llada_moe"])
+def test_sft_job_trains_a_checkpoint_with_expert_bias_and_keeps_the_bias(tmp_path, demo_tokenizer, base):
+    """The authors balance experts by moving ``expert_bias`` outside the gradient: fine-tuning keeps it as loaded."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+
+    from jobs.config import load_config
+    from jobs.sft import run_sft
+    from models.tiny import build_tiny
+    from tests.test_sft import sft_args
+
+    adapter = build_tiny(base, demo_tokenizer, seed=3, **({"moe_router_enable_expert_bias": True}
+                                                          if base == "llada_moe" else {}))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, buffer in adapter.model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=g))
+    adapter.model.save_pretrained(tmp_path / "base")
+    demo_tokenizer.save_pretrained(tmp_path / "base")
+    method = {"training.method": "random_masking"} if adapter.attention == "full" else {}
+    out = run_sft(load_config(sft_args(tmp_path, tmp_path / "base", **{"model.model_base": base, **method,
+                                                                      "training.max_steps": 4}), "sft"),
+                  progress=False)
+    start, end = load_file(str(tmp_path / "base" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(start) == set(end)
+    assert max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
+    bias = [k for k in start if k.endswith("expert_bias")]
+    sparse_layers = adapter.model.config.num_hidden_layers - 1  # the first layer is dense in both tiny configs
+    assert len(bias) == sparse_layers and all(torch.equal(start[k], end[k]) for k in bias)
+    assert all(float(start[k].abs().max()) > 0 for k in bias)
+    lines = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(math.isfinite(x["nll"]) for x in lines)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.config import load_config
+from jobs.config import load_config
 from reward.process import (
     ProcessRewardConfig,
     chunk_ends,

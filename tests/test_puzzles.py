@@ -73,7 +73,7 @@ def test_held_out_splits_are_disjoint_and_seeded():
 
 @pytest.mark.parametrize("task", ["countdown", "sudoku"])
 def test_an_rl_step_on_a_puzzle_scores_with_its_verifier(tmp_path, demo_tokenizer, task):
-    from core.config import load_config
+    from jobs.config import load_config
     from jobs.rl import run_rl
     from models.tiny import save_tiny_checkpoint
     from tests.test_rl import demo_args

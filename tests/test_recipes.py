@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import job_kind, load_config
+from jobs.config import job_kind, load_config
 from models.kinds import ATTENTION_OF
 from models.tiny import save_tiny_checkpoint
 from sample.trajectory import read_jsonl

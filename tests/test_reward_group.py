@@ -130,7 +130,7 @@ def test_dr_grpo_and_rloo_advantages_by_hand():
 def test_the_rl_loop_uses_the_configured_estimator(tmp_path, demo_tokenizer, monkeypatch):
     import json
 
-    from core.config import load_config
+    from jobs.config import load_config
     from jobs.rl import run_rl
     from models.tiny import save_tiny_checkpoint
     from tests import rl_harness
@@ -169,7 +169,7 @@ def test_overlong_penalty_by_hand():
 def test_overlong_shaping_in_the_rl_loop_and_its_bounds(tmp_path, demo_tokenizer, monkeypatch):
     import json
 
-    from core.config import ConfigError, load_config
+    from jobs.config import ConfigError, load_config
     from jobs.rl import run_rl
     from models.tiny import save_tiny_checkpoint
     from tests import rl_harness
@@ -198,7 +198,7 @@ def test_overlong_shaping_in_the_rl_loop_and_its_bounds(tmp_path, demo_tokenizer
 def test_dynamic_sampling_fills_the_batch_with_groups_that_train(tmp_path, demo_tokenizer, monkeypatch):
     import json
 
-    from core.config import load_config
+    from jobs.config import load_config
     from jobs.rl import run_rl
     from models.tiny import save_tiny_checkpoint
     from tests import rl_harness
@@ -225,8 +225,8 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_train(tmp_path, demo_
 def test_an_advantage_that_contradicts_the_algorithm_is_refused_at_load(monkeypatch):
     import dataclasses
 
-    from core.config import load_config
     from core.loader import ConfigError
+    from jobs.config import load_config
     from train import algorithms
 
     # no registered algorithm fixes its baseline yet: one that does (A = r - mean, as diffu-GRPO) is simulated

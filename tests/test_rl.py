@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import load_config
+from jobs.config import load_config
 from models.tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

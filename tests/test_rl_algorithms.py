@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from core.config import load_config
 from core.loader import ConfigError
+from jobs.config import load_config
 from sample.trajectory import Trajectory
 from tests.test_train_trainer import PROMPTS, make_trainer, sampled
 from tests.test_train_views import BLOCK2, DREAM, FULL, MASK, fake_block_trajectory, traj

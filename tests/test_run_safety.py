@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import load_config
 from core.files import RunDirError
+from jobs.config import load_config
 from models.tiny import save_tiny_checkpoint
 from tests.test_rl import _harness, comparable, demo_args, weights
 
@@ -436,8 +436,8 @@ def test_an_overflowing_sft_run_never_writes_its_model(tmp_path, model):
 
 
 def test_config_check_without_files_prints_usage():
-    proc = subprocess.run([sys.executable, "-m", "core.config"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m core.config CONFIG.yaml")
+    proc = subprocess.run([sys.executable, "-m", "jobs.config"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m jobs.config CONFIG.yaml")
 
 
 def test_mistyped_dataset_names_suggest_the_closest():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.config import load_config
+from jobs.config import load_config
 from jobs.sft import SFTJob, build_samples, read_rows, run_sft, turn_end_id
 from models.tiny import save_tiny_checkpoint
 from train.accelerator import build_accelerator
@@ -161,9 +161,9 @@ def test_script_family_must_match_the_model(tmp_path, ckpt):
     assert proc.returncode == 2 and "train/sft_sdar.py" in proc.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", ["cpu_ddp_2proc.yaml", "cpu_zero3_2proc.yaml"])
-def test_two_process_sft_ends_with_identical_weights(tmp_path, ckpt, config):
+def two_process_sft(tmp_path: Path, ckpt: Path, config: str, **overrides) -> Path:
+    """Launch this file's SFT under the 2-process accelerate ``config``; checks that both ranks ran and ended with
+    identical weights, and returns the saved checkpoint folder."""
     from tests.test_train_distributed import _free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
@@ -171,13 +171,20 @@ def test_two_process_sft_ends_with_identical_weights(tmp_path, ckpt, config):
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()),
-           str(Path(__file__).resolve()), *sft_args(tmp_path, ckpt, **{"training.max_steps": 3})]
+           str(Path(__file__).resolve()), *sft_args(tmp_path, ckpt, **overrides)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["num_processes"] == 2 and ranks[0]["digest"] == ranks[1]["digest"]
+    return tmp_path / "sft" / "ckpt" / "optimized"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["cpu_ddp_2proc.yaml", "cpu_zero3_2proc.yaml"])
+def test_two_process_sft_ends_with_identical_weights(tmp_path, ckpt, config):
+    out = two_process_sft(tmp_path, ckpt, config, **{"training.max_steps": 3})
     start = load_file(str(ckpt / "model.safetensors"))
-    end = load_file(str(tmp_path / "sft" / "ckpt" / "optimized" / "model.safetensors"))
+    end = load_file(str(out / "model.safetensors"))
     assert max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
 
 

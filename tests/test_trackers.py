@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import load_config
+from jobs.config import load_config
 from models.tiny import save_tiny_checkpoint
 from tests.test_rl import demo_args
 

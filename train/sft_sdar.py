@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repository importable
 
-from train.sft_entry import main  # noqa: E402
+from jobs.sft_entry import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main("sdar"))

@@ -510,10 +510,10 @@ def job_kind(path: str | os.PathLike[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m core.config FILE...``: validate config files (kind inferred from each name)."""
+    """``python -m jobs.config FILE...``: validate config files (kind inferred from each name)."""
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
-        print("usage: python -m core.config CONFIG.yaml [CONFIG.yaml ...]  (validates each file; the job kind comes "
+        print("usage: python -m jobs.config CONFIG.yaml [CONFIG.yaml ...]  (validates each file; the job kind comes "
               "from the file name)", file=sys.stderr)
         return 2
     status = 0

@@ -1,0 +1,25 @@
+"""Models for golden fixtures: numbers computed once by the public modeling code (outside this repository) on a tiny
+model whose every tensor comes from one seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+
+def fill_seeded(model: torch.nn.Module, seed: int, *, weight: float, bias: float, head: float) -> torch.nn.Module:
+    """Every parameter and buffer of ``model`` drawn from one generator seeded ``seed``, in name order: norm weights
+    1 + 0.1 N(0, 1), expert biases ``bias`` N(0, 1), the LM head ``head`` N(0, 1) (sharp enough that some
+    confidences pass a threshold), every other tensor ``weight`` N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+            noise = torch.randn(tensor.shape, generator=g)
+            if "norm" in name:
+                tensor.copy_(1 + 0.1 * noise)
+            elif name.endswith("expert_bias"):
+                tensor.copy_(bias * noise)
+            elif name == "lm_head.weight":
+                tensor.copy_(head * noise)
+            else:
+                tensor.copy_(weight * noise)
+    return model
