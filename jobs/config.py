@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from core.loader import ConfigError, load, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
+from models.kinds import ATTENTION_OF
 from models.lora import LoraSettings
 from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
@@ -42,7 +43,7 @@ from train.settings import (
 __all__ = ["ConfigError", "load_config", "load_config_or_exit", "job_kind", "SCHEMAS",
            "RLConfig", "EvalConfig", "SFTConfig", "ServeConfig", "DEMO_MODEL_DIRS"]
 
-ModelBase = Literal["trado", "sdar", "dream", "llada", "mmada", "sdar_moe", "llada2", "llada_moe"]
+ModelBase = Literal[tuple(ATTENTION_OF)]  # every model_base of the family table (models/kinds.py: torch-free)
 DataType = Literal["math", "code", "option"]
 BUILTIN_DATA_TYPES = {"builtin:arithmetic": "math", "builtin:code": "code", "builtin:countdown": "math",
                       "builtin:countdown_test": "math", "builtin:countdown2": "math", "builtin:countdown2_test": "math",
