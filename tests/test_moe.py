@@ -141,16 +141,19 @@ def test_llada2_sigmoid_group_limited_routing_by_hand():
     torch.testing.assert_close(w, torch.tensor([[0.9 / 1.2 * 2.5, 0.3 / 1.2 * 2.5]]), atol=1e-6, rtol=0)
 
 
-def test_the_router_aux_loss_trains_the_router_when_the_config_asks(demo_tokenizer):
+@pytest.mark.parametrize("base", ["sdar_moe", "llada_moe"])
+def test_the_router_aux_loss_trains_the_router_when_the_config_asks(demo_tokenizer, base):
     from models.tiny import build_tiny
-    from tests.test_train_trainer import fake_batch, make_trainer
+    from tests.test_train_trainer import fake_batch, make_trainer, sampled
 
     def gate_delta(**overrides) -> torch.Tensor:
-        adapter = build_tiny("sdar_moe", demo_tokenizer, seed=3, **overrides)
-        gate = adapter.model.model.layers[0].mlp.gate.weight
+        adapter = build_tiny(base, demo_tokenizer, seed=3, **overrides)
+        gate = adapter.model.model.moe_blocks()[0].gate.weight
         before = gate.detach().clone()
         trainer = make_trainer(adapter, learning_rate=1e-2)
-        trajs = fake_batch(adapter, n=2)
+        trajs = fake_batch(adapter, n=2) if adapter.attention == "block" else sampled(
+            adapter, [demo_tokenizer.encode("Tom has three apples")] * 2, max_tokens=8, block_size=4, steps=8,
+            cache="none")
         trainer.train_step(trajs, {t.sample_id: 0.0 for t in trajs})  # zero advantages: no policy gradient
         return gate.detach() - before
 
