@@ -120,7 +120,7 @@ def measure_rl(model: Path, mode: str, out: Path, args) -> dict:
     cfg = load_config(["config=configs/demo/rl_demo.yaml", f"model.pretrained_model={model}",
                        f"experiment.output_dir={out}", "experiment.project=rl", "model.init_tiny_if_missing=false",
                        "experiment.eval_every=0", "experiment.total_step=2", f"rollout.num_task_per_step={args.tasks}",
-                       f"rollout.num_response_per_task={args.k}", f"rollout.max_token={args.tokens}",
+                       f"rollout.num_response_per_task={args.k}", f"rollout.max_tokens={args.tokens}",
                        "reward.filter_all_equal=false", "reward.acc_low=0.0", "reward.acc_high=1.0",
                        f"training.batch_size_lm={args.micro_batch}", *_lora_args(mode)], "rl")
     job = RLJob(cfg, progress=False)

@@ -59,8 +59,8 @@ TASKS: dict[str, list[str]] = {
                    "evaluation.eval_dataset=builtin:arithmetic", "evaluation.data_type=math"],
     "countdown": ["dataset.train_dataset=builtin:countdown2", "dataset.data_type=math",
                   "evaluation.eval_dataset=builtin:countdown2_test", "evaluation.data_type=math",
-                  "training.max_prompt_len=192", "rollout.max_token=32", "training.max_gen_length=32",
-                  "evaluation.max_token=32"],
+                  "training.max_prompt_len=192", "rollout.max_tokens=32", "training.max_gen_length=32",
+                  "evaluation.max_tokens=32"],
 }
 # Two-sided 95% quantiles t(0.975, df) of Student's t for df = 1..30 (used when scipy is missing); above 30 the
 # quantile of df = 30 is used, which errs wide (the normal's is 1.960).

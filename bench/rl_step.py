@@ -36,7 +36,7 @@ def _config(out: Path, model: Path, args, value: bool = False) -> object:
     over = {"experiment.output_dir": out, "experiment.project": "bench", "model.pretrained_model": model,
             "experiment.total_step": 1, "experiment.eval_every": 1, "experiment.save_every": 1,
             "rollout.num_task_per_step": args.tasks, "rollout.num_response_per_task": args.k,
-            "rollout.max_token": args.tokens, "evaluation.max_token": args.tokens,
+            "rollout.max_tokens": args.tokens, "evaluation.max_tokens": args.tokens,
             "evaluation.num_response_per_task": 1, "reward.acc_low": 0.0, "reward.acc_high": 1.0,
             "reward.filter_all_equal": "false", "training.old_logp": "recompute",
             "training.max_prompt_len": 512, "experiment.overwrite": "true"}

@@ -88,7 +88,7 @@ def _user_spelling(err: ConfigError) -> ConfigError:
                                                                 f" {user.rpartition('.')[2]} ")
     return ConfigError(text, user, err.source)
 
-def _rename_section(tree: dict[str, Any], section: str, src: str) -> None:
+def _rename_section(tree: dict[str, Any], section: str, src: str, notices: list[str]) -> None:
     body = tree.get(section)
     if not isinstance(body, dict):
         return
@@ -96,7 +96,11 @@ def _rename_section(tree: dict[str, Any], section: str, src: str) -> None:
         if old not in body:
             continue
         value = body.pop(old)
+        written = value
         value = convert(value) if convert else value
+        shown = f" ({written!r} -> {value!r})" if value != written else ""
+        notices.append(f"note: {src}: '{section}.{old}' is the reference's name of '{section}.{new}'{shown}; "
+                       f"write '{new}'")
         _WRITTEN[f"{section}.{new}"] = f"{section}.{old}"
         current = body.get(new)
         if new not in body or _is_interp(current, f"{section}.{old}"):
@@ -124,9 +128,9 @@ def _rename_interpolations(tree: Any) -> Any:
     return tree
 
 
-def _apply_renames(tree: dict[str, Any], src: str) -> dict[str, Any]:
+def _apply_renames(tree: dict[str, Any], src: str, notices: list[str]) -> dict[str, Any]:
     for section in _RENAMED_SECTIONS:
-        _rename_section(tree, section, src)
+        _rename_section(tree, section, src, notices)
     return _rename_interpolations(tree)
 
 
@@ -449,7 +453,7 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
     _WRITTEN.clear()
     path, overrides = split_argv(argv)
     notices: list[str] = []
-    layers = [_apply_renames(_normalise_reference_form(read_yaml(path)), path)]
+    layers = [_apply_renames(_normalise_reference_form(read_yaml(path)), path, notices)]
     check_tree(layers[0], schema, schema, path, unsupported, notices, no_effect)
     sources = dict.fromkeys(_leaf_keys(layers[0]), path)
     for item in overrides:
@@ -457,7 +461,7 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
         raw = _normalise_reference_form(parse_override(item, path))
         for key in _leaf_keys(raw):  # written in the code's words here: errors say it so
             _WRITTEN.pop(key, None)
-        tree = _apply_renames(raw, src)
+        tree = _apply_renames(raw, src, notices)
         check_tree(tree, schema, schema, src, unsupported, notices, no_effect)
         sources.update(dict.fromkeys(_leaf_keys(tree), src))
         layers.append(tree)

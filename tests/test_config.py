@@ -118,9 +118,30 @@ def test_reference_defaults_of_rl_trado():
 def test_reference_names_are_mapped_in_one_table(tmp_path):
     text = MINIMAL_RL + ("rollout:\n  max_token: 77\n  denoising_steps_per_block: 2\n  stop_token_list: ['<x>']\n"
                          "  use_cache: false\n  batch_size: 3\n")
-    cfg = load_config([f"config={_write(tmp_path, text)}"], "rl")
+    notes = io.StringIO()
+    path = _write(tmp_path, text)
+    cfg = load_config([f"config={path}"], "rl", stream=notes)
     r = cfg.rollout
     assert (r.max_tokens, r.denoising_steps, r.stop, r.cache, r.max_active) == (77, 2, ["<x>"], "none", 3)
+    # one note per reference spelling, naming the code's
+    lines = notes.getvalue().splitlines()
+    assert len(lines) == 5 and all(line.startswith(f"note: {path}: 'rollout.") for line in lines)
+    assert f"note: {path}: 'rollout.use_cache' is the reference's name of 'rollout.cache' (False -> 'none'); " \
+           "write 'cache'" in lines
+    quiet = io.StringIO()
+    load_config([f"config={path}", "evaluation.max_tokens=5"], "rl", stream=quiet)
+    assert len(quiet.getvalue().splitlines()) == 5  # the code's spelling adds no note
+
+
+def test_shipped_configs_are_written_in_the_codes_words():
+    import glob
+
+    from jobs.config import job_kind
+
+    for path in sorted(glob.glob(str(ROOT / "configs" / "**" / "*.yaml"), recursive=True)):
+        notes = io.StringIO()
+        load_config([f"config={path}"], job_kind(path), stream=notes)
+        assert notes.getvalue() == "", (path, notes.getvalue())
 
 
 def test_reference_dream_generation_length_reaches_the_sampler(tmp_path):
