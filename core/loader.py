@@ -357,13 +357,23 @@ def parse_override(item: str, path: str) -> dict[str, Any]:
 
 
 def check_tree(tree: dict[str, Any], cls: type, root: type, src: str, unsupported: dict[str, str],
-               notices: list[str], no_effect: dict[str, str], prefix: str = "") -> None:
-    """Reject unknown keys and section/scalar shape errors in one source; drop no-effect keys with a notice."""
+               notices: list[str], no_effect: dict[str, Any], prefix: str = "") -> None:
+    """Reject unknown keys and section/scalar shape errors in one source; drop no-effect keys with a notice.
+
+    A no-effect entry is a reason (any value is dropped with a notice) or a pair (the one value the reference's
+    files hold, the refusal of any other): ``current_epoch: 1`` loads with a notice, ``current_epoch: 3`` is an
+    error, since it asks for something this framework does another way."""
     fields = config_fields(cls)
     for name in list(tree):
         key, value = f"{prefix}{name}", tree[name]
         if key in no_effect and str(name) not in fields:
-            notices.append(f"note: {src}: '{key}' has no effect here ({no_effect[key]})")
+            why = no_effect[key]
+            if isinstance(why, tuple):
+                only, refusal = why
+                if value != only:
+                    raise ConfigError(f"{src}: key '{key}' is {value!r}: {refusal}", key, src)
+                why = f"the reference's default {only!r}; {refusal}"
+            notices.append(f"note: {src}: '{key}' has no effect here ({why})")
             del tree[name]
             continue
         if str(name) not in fields:

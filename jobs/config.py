@@ -82,13 +82,6 @@ class RLExperimentConfig(ExperimentConfig):
     eval_every: int = bounded(10, 0)  # 0 = no in-loop evaluation
     keep_checkpoints: int = bounded(0, 0)  # keep the N newest step checkpoints (older steps keep their logs); 0 = all
     max_idle_steps: int = bounded(5, 0)  # stop after N steps in a row with no optimizer update; 0 = never stop
-    current_epoch: int = bounded(1, 1)  # the reference's resume knob; rl.py resumes from the run directory
-
-    def validate(self) -> None:
-        super().validate()
-        if self.current_epoch != 1:
-            raise SettingError("current_epoch", "current_epoch must be 1: rl.py resumes from the run directory's "
-                                                "last complete step (set experiment.start_from_scratch=false)")
 
 
 @dataclass
@@ -176,13 +169,6 @@ class JobRollout(SamplingParams):
 
     num_response_per_task: int = bounded(1, 1)  # responses per task (the RL group size)
     start_with_think: bool = False  # prompt ends with "<think>\n"
-    tensor_parallel_size: int = bounded(1, 1)  # the reference's engine TP; one model copy per process here
-
-    def validate(self) -> None:
-        super().validate()
-        if self.tensor_parallel_size != 1:
-            raise SettingError("tensor_parallel_size", "tensor parallelism is not supported (one model copy per "
-                                                       "process); use data-parallel processes")
 
 
 @dataclass
@@ -447,14 +433,20 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 # Reference keys that configure something this framework does differently: accepted so the reference's files
 # load, with a printed notice saying why they have no effect.
-_COMMON_NO_EFFECT = {
+_TENSOR_PARALLEL = (1, "tensor parallelism is not supported (one model copy per process); use data-parallel "
+                       "processes")
+_COMMON_NO_EFFECT: dict[str, Any] = {
     "experiment.node_index": "each node's rank comes from its environment (see multinode_rl.py)",
+    "rollout.tensor_parallel_size": _TENSOR_PARALLEL,
+    "experiment.current_epoch": (1, "a run resumes from its directory's last complete step (set "
+                                    "experiment.start_from_scratch=false)"),
+    "evaluation.tensor_parallel_size": _TENSOR_PARALLEL,
     "optimizer.params.scale_lr": "the reference never reads it",
     "lr_scheduler.params.learning_rate": "the learning rate is optimizer.params.learning_rate",
     "system.env_name": "activate the environment before launching (no conda activation per node)",
     "system.envs_dir": "activate the environment before launching (no conda activation per node)",
 }
-NO_EFFECT: dict[str, dict[str, str]] = {
+NO_EFFECT: dict[str, dict[str, Any]] = {
     "rl": {**_COMMON_NO_EFFECT,
            "experiment.function": "rl.py runs every stage in one process",
            "dataset.optimization_data": "rollouts stay in memory and are written to the step directory",

@@ -249,6 +249,7 @@ def test_required_marker_in_an_override_is_refused(tmp_path):
     ("model.process_reward_model=x", "key 'model.process_reward_model': the process reward needs the value model"),
     ("training.gam=1.5", "key 'training.gam': gam must be in [0.0, 1.0]"),
     ("rollout.tensor_parallel_size=2", "tensor parallelism is not supported"),
+    ("experiment.current_epoch=3", "key 'experiment.current_epoch' is 3: a run resumes from its directory's"),
     ("dataset.train_dataset=builtin:code", "key 'dataset.data_type'"),
     ("execute.memory_mb=-1", "key 'execute.memory_mb'"),
 ])
@@ -315,3 +316,12 @@ def test_impossible_block_sizes_fail_at_load(tmp_path):
     msg = _error([f"config={path}", "evaluation.block_size=[4,128]", "evaluation.top_k=[0,1]"])
     assert "key 'evaluation.block_size'" in msg
     assert load_config([f"config={path}", "rollout.block_size=8"], "rl").rollout.block_size == 8
+
+
+def test_reference_keys_at_their_only_value_load_with_a_note(tmp_path):
+    notes = io.StringIO()
+    path = _write(tmp_path, MINIMAL_RL + "rollout:\n  tensor_parallel_size: 1\n")
+    load_config([f"config={path}", "experiment.current_epoch=1"], "rl", stream=notes)
+    lines = notes.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"note: {path}: 'rollout.tensor_parallel_size' has no effect here")
+    assert "'experiment.current_epoch' has no effect here (the reference's default 1;" in lines[1]
