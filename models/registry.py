@@ -57,7 +57,7 @@ FAMILIES: dict[str, FamilySpec] = {
                         "<|eot_id|>", _LLADA_TARGETS),
     "llada2": FamilySpec("llada2", ("llada2_moe",), LLaDA2MoeModelLM, ATTENTION_OF["llada2"], False, "<|role_end|>",
                          _LLADA2_TARGETS),
-    # the hub config says model_type "llada", as dense LLaDA's: load_model tells them apart (_llada_moe_fields)
+    # the hub config says model_type "llada", as dense LLaDA's: load_model tells them apart (is_llada_moe)
     "llada_moe": FamilySpec("llada", ("lladamoe", "llada"), LLaDAMoEModelLM, ATTENTION_OF["llada_moe"], False,
                             "<|role_end|>", _QWEN_TARGETS),
 }
