@@ -465,13 +465,15 @@ def test_an_output_directory_under_a_regular_file_is_one_line(tmp_path, model, r
 def test_errors_name_the_key_as_the_user_wrote_it(tmp_path):
     from core.loader import ConfigError
 
-    demo = "configs/demo/eval_demo.yaml"  # written with the reference's denoising_steps_per_block and max_token
+    demo = "configs/demo/eval_demo.yaml"  # written in the code's words (max_tokens, denoising_steps)
     with pytest.raises(ConfigError, match="key 'rollout.denoising_steps_per_block': denoising_steps_per_block must"):
         load_config([f"config={demo}", "rollout.denoising_steps_per_block=0"], "eval")
     with pytest.raises(ConfigError, match="key 'rollout.denoising_steps': denoising_steps must"):
         load_config([f"config={demo}", "rollout.denoising_steps=0"], "eval")  # the override uses the code's name
     yaml_file = tmp_path / "eval_ref.yaml"
-    yaml_file.write_text(Path(demo).read_text().replace("max_token: ", "max_token: -1 #"))
+    text = Path(demo).read_text()
+    assert "  max_tokens: " in text
+    yaml_file.write_text(text.replace("  max_tokens: ", "  max_token: -1 #"))  # the reference's spelling
     with pytest.raises(ConfigError, match="key 'rollout.max_token': max_token must be >= 1"):
         load_config([f"config={yaml_file}"], "eval")
 
