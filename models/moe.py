@@ -33,10 +33,14 @@ class ExpertMLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-def softmax_topk_routing(router_logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+def softmax_topk_routing(router_logits: Tensor, top_k: int, normalize: bool, bias: Tensor | None = None
+                         ) -> tuple[Tensor, Tensor]:
     """(weights [T, k] fp32, expert indices [T, k]) of an fp32 softmax router, renormalised over the top-k when
-    ``normalize`` (Qwen3-MoE's norm_topk_prob)."""
+    ``normalize`` (Qwen3-MoE's norm_topk_prob). ``bias`` (LLaDA-MoE's ``expert_bias``) is added to the
+    probabilities before the choice, so the weights carry it too, as in the authors' code."""
     probs = F.softmax(router_logits.float(), dim=-1)
+    if bias is not None:
+        probs = probs + bias.float()
     weights, index = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -125,12 +129,13 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(ExpertMLP(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
+        self.register_buffer("expert_bias", None)  # a family may set one (a tensor [E]): see softmax_topk_routing
         self.last_router_logits: Tensor | None = None
 
     def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(router logits fp32, weights fp32, indices) for flattened tokens [T, H]."""
         logits = F.linear(flat.float(), self.gate.weight.float())
-        weights, index = softmax_topk_routing(logits, self.top_k, self.norm_topk_prob)
+        weights, index = softmax_topk_routing(logits, self.top_k, self.norm_topk_prob, self.expert_bias)
         return logits, weights, index
 
     def forward(self, x: Tensor) -> Tensor:

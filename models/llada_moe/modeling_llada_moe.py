@@ -20,7 +20,6 @@ The decoder is the Qwen-style one of models/qwen_layers.py (``self_attn.{q,k,v,o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -62,17 +61,7 @@ class LLaDAMoESparseMoeBlock(SparseMoeBlock):
         super().__init__(config)
         self.norm_topk_prob = False  # the authors' block hard-codes it, whatever the config says
         if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
-        else:
-            self.expert_bias = None
-
-    def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        logits = F.linear(flat.float(), self.gate.weight.float())
-        probs = F.softmax(logits, dim=-1)
-        if self.expert_bias is not None:
-            probs = probs + self.expert_bias.float()
-        weights, index = torch.topk(probs, self.top_k, dim=-1)
-        return logits, weights, index
+            self.expert_bias = torch.zeros(config.num_experts)  # fills the base block's buffer (saved, not trained)
 
 
 class LLaDAMoEDecoderLayer(nn.Module):
