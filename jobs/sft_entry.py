@@ -13,9 +13,10 @@ FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado", "sdar_moe"), "dre
 
 
 def script_family(model_base: str) -> str:
-    """The ``train/sft_<family>.py`` script that trains ``model_base`` (LLaDA-MoE's is sft_llada.py)."""
-    return next((f for f, bases in FAMILY_BASES.items() if bases[0] == model_base), None) or next(
-        f for f, bases in FAMILY_BASES.items() if model_base in bases)
+    """The ``train/sft_<family>.py`` script that trains ``model_base``: its own, else the first that accepts it
+    (LLaDA-MoE's is sft_llada.py)."""
+    return model_base if model_base in FAMILY_BASES else next(f for f, bases in FAMILY_BASES.items()
+                                                              if model_base in bases)
 
 
 def main(family: str, argv: list[str] | None = None) -> int:

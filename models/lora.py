@@ -150,13 +150,13 @@ def _check_adapter_fits(model: Any, path: Path) -> None:
                 module = modules.get(name)
                 if module is None or not isinstance(getattr(module, "weight", None), nn.Parameter):
                     raise ModelLoadError(f"{path}: the adapter does not match this base model (it adapts {name!r}, "
-                                       "which the base model does not have)")
+                                         "which the base model does not have)")
                 shape = fh.get_slice(key).get_shape()
                 fits = shape[1] == module.in_features if kind == "lora_A" else shape[0] == module.out_features
                 if not fits:
                     raise ModelLoadError(f"{path}: the adapter does not match this base model ({name} is "
-                                       f"{module.in_features}->{module.out_features} there, the adapter's {kind} "
-                                       f"is {list(shape)})")
+                                         f"{module.in_features}->{module.out_features} there, the adapter's "
+                                         f"{kind} is {list(shape)})")
 
 
 def load_adapter(model: Any, path: str | Path, trainable: bool = False) -> Any:

@@ -222,10 +222,11 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
     if model_type not in spec.model_types:
         raise ModelLoadError(f"{path}: model_type {model_type!r} does not match model_base {model_base!r} "
                              f"(expected {' or '.join(spec.model_types)})")
-    if model_type == "llada" and is_llada_moe(raw) != (model_base == "llada_moe"):
-        which, base = ("LLaDA-MoE", "llada_moe") if is_llada_moe(raw) else ("dense LLaDA", "llada or mmada")
+    moe = model_type == "llada" and is_llada_moe(raw)
+    if model_type == "llada" and moe != (model_base == "llada_moe"):
+        which, base = ("LLaDA-MoE", "llada_moe") if moe else ("dense LLaDA", "llada or mmada")
         raise ModelLoadError(f"{path}: this model_type 'llada' checkpoint is {which} (it has "
-                             f"{'' if is_llada_moe(raw) else 'no '}num_experts): set model.model_base={base}")
+                             f"{'' if moe else 'no '}num_experts): set model.model_base={base}")
     dtype = DTYPES[get("dtype", "float32") or "float32"]
     overrides = {"attn_backend": get("attn_backend", "sdpa") or "sdpa"}
     if load_in_4bit:
