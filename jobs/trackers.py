@@ -6,6 +6,7 @@ Every tracker takes ``log(scalars, step)`` and ``finish()``; :func:`start_tracke
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,9 @@ class TensorBoard:
             except ImportError:
                 raise RunDirError("tensorboard.enabled is true but neither tensorboardX nor tensorboard is installed "
                                   "(pip install tensorboardX)") from None
-        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
+        # The event file is named by the second it opens in and the host: a resumed run that starts within the same
+        # second as the attempt before it would write over that attempt's file, so each writer gets its own suffix.
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step, filename_suffix=f".{uuid.uuid4().hex[:12]}")
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for key, value in scalars.items():

@@ -71,3 +71,22 @@ def test_a_resumed_run_purges_the_steps_it_redoes_from_tensorboard(tmp_path, dem
             starts.append(event.step)
     assert starts == [3]
     assert set(read_scalars(tmp_path / "run" / "tensorboard")["reward"]) == {1, 2, 3}
+
+
+def test_a_writer_opened_in_the_same_second_keeps_the_earlier_file(tmp_path, monkeypatch):
+    """TensorBoard names an event file by the second it opens in and the host: a resume within the same second
+    must not write over the attempt before it."""
+    pytest.importorskip("tensorboardX")
+    import time
+
+    from jobs.trackers import TensorBoard
+
+    monkeypatch.setattr(time, "time", lambda: 1795636206.0)
+    first = TensorBoard(tmp_path)
+    first.log({"reward": 0.25}, step=1)
+    first.finish()
+    second = TensorBoard(tmp_path, purge_step=2)
+    second.log({"reward": 0.5}, step=2)
+    second.finish()
+    assert len(list(tmp_path.glob("events.out.tfevents.1795636206.*"))) == 2
+    assert read_scalars(tmp_path)["reward"] == pytest.approx({1: 0.25, 2: 0.5})
