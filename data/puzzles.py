@@ -31,7 +31,7 @@ def in_held_out(key: str) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
 
 
-def _draw(n: int, seed: int, split: str, name: str, make) -> list[dict]:
+def draw_split(n: int, seed: int, split: str, name: str, make) -> list[dict]:
     """``n`` distinct instances of ``split`` from ``make(rng)`` -> (key, row)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -79,7 +79,7 @@ def _countdown_instance(rng: random.Random, count: int, high: int) -> tuple[str,
 
 def countdown_task(n: int, seed: int = 0, split: str = "train", count: int = 3, high: int = 20) -> list[dict]:
     """``n`` Countdown tasks of ``count`` numbers in 1..``high``."""
-    return _draw(n, seed, split, "countdown", lambda rng: _countdown_instance(rng, count, high))
+    return draw_split(n, seed, split, "countdown", lambda rng: _countdown_instance(rng, count, high))
 
 
 # ------------------------------------------------------------------------------------------ sudoku 4x4
@@ -148,7 +148,7 @@ def _sudoku_instance(rng: random.Random, empty: int) -> tuple[str, dict]:
 
 def sudoku_task(n: int, seed: int = 0, split: str = "train", empty: int = 8) -> list[dict]:
     """``n`` 4x4 Sudoku tasks with up to ``empty`` empty cells (a unique solution each)."""
-    return _draw(n, seed, split, "sudoku", lambda rng: _sudoku_instance(rng, empty))
+    return draw_split(n, seed, split, "sudoku", lambda rng: _sudoku_instance(rng, empty))
 
 
 def countdown_solvable(numbers: list[int], target: int) -> bool:

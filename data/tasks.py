@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from data.formats import save_dataset_file, validate_rows  # noqa: E402
 
-__all__ = ["arithmetic_task", "code_task", "evaluate_expression"]
+__all__ = ["arithmetic_task", "word_problem_task", "code_task", "evaluate_expression"]
 
 _OPS: dict[type, Callable[[int, int], int]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -80,6 +80,43 @@ def arithmetic_task(
             "expression": expr,
         })
     return validate_rows(rows, "math", "arithmetic_task")
+
+
+# --------------------------------------------------------------------------------------- word problems
+# One sentence of story each, with the operation the story implies: (text, op). Names and items vary; the
+# numbers are two-digit, and a subtraction never goes below zero.
+_STORIES = [
+    ("{name} has {a} {item}. {name} buys {b} more. How many {item} does {name} have now?", "+"),
+    ("{name} had {a} {item} and gave {b} of them to a friend. How many {item} does {name} have left?", "-"),
+    ("There are {a} {item} in a box. {name} puts in {b} more. How many {item} are in the box?", "+"),
+    ("There were {a} {item} on the table. {name} took {b} of them. How many {item} are on the table now?", "-"),
+    ("{name} collected {a} {item} on Monday and {b} {item} on Tuesday. How many {item} did {name} collect in "
+     "total?", "+"),
+    ("A shop had {a} {item}. It sold {b} of them. How many {item} does the shop have left?", "-"),
+]
+_NAMES = ["Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Leo", "Emma", "Max", "Zoe"]
+_ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "cards", "shells", "coins"]
+WORD_PROBLEM_SUFFIX = " Give the final answer in \\boxed{}."
+
+
+def _word_problem(rng: random.Random) -> tuple[str, dict]:
+    story, op = rng.choice(_STORIES)
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    if op == "-" and a < b:
+        a, b = b, a
+    answer = a + b if op == "+" else a - b
+    question = story.format(name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b)
+    return question, {"question": question + WORD_PROBLEM_SUFFIX, "ground_truth_answer": str(answer),
+                      "solution": f"{a} {op} {b} = {answer}. The answer is \\boxed{{{answer}}}."}
+
+
+def word_problem_task(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """``n`` distinct two-digit addition / subtraction word problems of ``split`` (a content hash holds one in five
+    out, as for the puzzles). Each row carries a worked ``solution`` (the equation, then the boxed answer): the SFT
+    target of the built-in recipe."""
+    from data.puzzles import draw_split
+
+    return draw_split(n, seed, split, "word_problems", _word_problem)
 
 
 # ---------------------------------------------------------------------------------------------------- code

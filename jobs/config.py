@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from core.loader import ConfigError, load, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
+from data.builtin import BUILTIN, builtin_kind
 from models.kinds import ATTENTION_OF
 from models.lora import LoraSettings
 from reward.process import ProcessRewardConfig
@@ -45,9 +46,6 @@ __all__ = ["ConfigError", "load_config", "load_config_or_exit", "job_kind", "SCH
 
 ModelBase = Literal[tuple(ATTENTION_OF)]  # every model_base of the family table (models/kinds.py: torch-free)
 DataType = Literal["math", "code", "option"]
-BUILTIN_DATA_TYPES = {"builtin:arithmetic": "math", "builtin:code": "code", "builtin:countdown": "math",
-                      "builtin:countdown_test": "math", "builtin:countdown2": "math", "builtin:countdown2_test": "math",
-                      "builtin:sudoku": "math", "builtin:sudoku_test": "math"}
 # The only paths where a demo config may build its starting model (model.init_tiny_if_missing): tiny random models,
 # and the demo SFT's output (the RL demo's starting point).
 DEMO_MODEL_DIRS = ("runs/demo/tiny_sdar", "runs/demo/tiny_dream", "runs/demo/tiny_llada",
@@ -120,14 +118,16 @@ class RLModelConfig(TrainModelConfig):
 
 @dataclass
 class EvalDatasetConfig(Settings):
-    eval_dataset: str = required()  # data/{name}.json, a .json/.jsonl path, or a built-in (BUILTIN_DATA_TYPES)
+    eval_dataset: str = required()  # data/{name}.json, a .json/.jsonl path, or a built-in (data/builtin.py)
     data_type: DataType = "math"
+    builtin_size: int | None = bounded(None, 1)  # tasks drawn from a built-in dataset (null: 64; files: unused)
 
 
 @dataclass
 class RLDatasetConfig(Settings):
     train_dataset: str = required()
     data_type: DataType = "math"
+    builtin_size: int | None = bounded(None, 1)  # tasks drawn from a built-in dataset (null: 64; files: unused)
 
 
 def model_positions(pretrained_model: str) -> int | None:
@@ -154,11 +154,11 @@ def check_block_sizes(model: Any, sections: dict[str, Any]) -> None:
 
 def check_builtin_type(dataset: str, data_type: str, key: str, name_key: str) -> None:
     """A ``builtin:`` dataset must exist (``name_key``, the closest name suggested) and match the data type."""
-    if dataset.startswith("builtin:") and dataset not in BUILTIN_DATA_TYPES:
-        close = difflib.get_close_matches(dataset, list(BUILTIN_DATA_TYPES), n=1, cutoff=0.5)
-        hint = f"closest: {close[0]!r}" if close else f"built-in: {', '.join(BUILTIN_DATA_TYPES)}"
+    if dataset.startswith("builtin:") and dataset not in BUILTIN:
+        close = difflib.get_close_matches(dataset, list(BUILTIN), n=1, cutoff=0.5)
+        hint = f"closest: {close[0]!r}" if close else f"built-in: {', '.join(BUILTIN)}"
         raise SettingError(name_key, f"unknown built-in dataset {dataset!r} ({hint})")
-    kind = BUILTIN_DATA_TYPES.get(dataset)
+    kind = builtin_kind(dataset)
     if kind is not None and kind != data_type:
         raise SettingError(key, f"dataset {dataset!r} is a {kind} task but data_type is {data_type!r}")
 
@@ -229,6 +229,8 @@ class EvaluationConfig(EvalRollout):
 
     eval_dataset: str = "builtin:arithmetic"
     data_type: DataType = "math"
+    builtin_size: int | None = bounded(None, 1)  # tasks of a built-in dataset, drawn with seed experiment.seed + 1
+                                                 # (null: 64)
     num_response_per_task: int = bounded(3, 1)
 
     def validate(self) -> None:

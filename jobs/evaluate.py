@@ -124,7 +124,8 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
         adapter = load_model(cfg.model, device=device)
         for params in cfg.rollout.runs():
             check_for_model("rollout", params, adapter)
-        tasks = load_tasks(cfg.dataset.eval_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed)
+        tasks = load_tasks(cfg.dataset.eval_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed,
+                           n_builtin=cfg.dataset.builtin_size)
         results = evaluate(adapter, tasks, cfg.dataset.data_type, cfg.rollout, cfg.execute,
                            cfg.experiment.seed, run.dir if run else None, cfg.dataset.eval_dataset,
                            accelerator=acc, progress=progress and main)

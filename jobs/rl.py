@@ -231,12 +231,13 @@ class RLJob:
         check_for_model("rollout", cfg.rollout, self.adapter)
         for params in cfg.evaluation.runs():
             check_for_model("evaluation", params, self.adapter)
-        self.tasks = load_tasks(cfg.dataset.train_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed)
+        self.tasks = load_tasks(cfg.dataset.train_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed,
+                                n_builtin=cfg.dataset.builtin_size)
         self.drawable = self._drawable_tasks()
         self.eval_tasks = []
         if cfg.experiment.eval_every:
             self.eval_tasks = load_tasks(cfg.evaluation.eval_dataset, cfg.evaluation.data_type,
-                                         seed=cfg.experiment.seed + 1)
+                                         seed=cfg.experiment.seed + 1, n_builtin=cfg.evaluation.builtin_size)
         if cfg.optimizer.name != "adamw":  # the only optimizer (the reference's configs name it)
             raise RunDirError(f"optimizer.name {cfg.optimizer.name!r} is not supported")
         ref = None

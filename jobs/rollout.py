@@ -7,39 +7,28 @@ This sits at the job level because it combines data/, sample/ and reward/, which
 from __future__ import annotations
 
 import difflib
-import functools
 from pathlib import Path
 from typing import Any
 
 from core.loader import ConfigError, as_written
 from core.schema import SettingError, replace
+from data.builtin import BUILTIN, builtin_kind, builtin_tasks
 from data.formats import load_dataset_file
 from data.prompts import prompt_ids
-from data.puzzles import countdown_task, sudoku_task
-from data.tasks import arithmetic_task, code_task
 from reward.math import score_math_batch
 from reward.sandbox import CodeJob, SandboxConfig, code_from_response, run_many
 from sample.generate import Rollout, generate
 from sample.params import SamplingParams
 
-BUILTIN_SIZE = 64  # tasks in a built-in dataset
-BUILTIN_TASKS = {"builtin:arithmetic": ("math", arithmetic_task), "builtin:code": ("code", code_task),
-                 "builtin:countdown": ("math", countdown_task),
-                 "builtin:countdown_test": ("math", functools.partial(countdown_task, split="test")),
-                 "builtin:countdown2": ("math", functools.partial(countdown_task, count=2)),
-                 "builtin:countdown2_test": ("math", functools.partial(countdown_task, split="test", count=2)),
-                 "builtin:sudoku": ("math", sudoku_task),
-                 "builtin:sudoku_test": ("math", functools.partial(sudoku_task, split="test"))}
-
 
 def load_tasks(name: str, data_type: str, seed: int = 0, n_builtin: int | None = None,
                data_dir: str = "data") -> list[dict]:
     """Rows of a dataset: a built-in task (``builtin:arithmetic``, ``builtin:code``) or ``data/{name}.json``."""
-    if name in BUILTIN_TASKS:
-        kind, make = BUILTIN_TASKS[name]
+    kind = builtin_kind(name)
+    if kind is not None:
         if kind != data_type:
             raise ValueError(f"dataset {name!r} is a {kind} task but data_type is {data_type!r}")
-        return make(n_builtin or BUILTIN_SIZE, seed=seed)
+        return builtin_tasks(name, n_builtin, seed)
     path = Path(name) if name.endswith((".json", ".jsonl")) else Path(data_dir) / f"{name}.json"
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} not found; {_missing_dataset_hint(name, Path(data_dir))}")
@@ -53,9 +42,9 @@ def _missing_dataset_hint(name: str, data_dir: Path) -> str:
     if name in DATASETS:
         return f"run: python data/download_data.py --dataset {name}"
     local = [p.name.removesuffix(".json") for p in data_dir.glob("*.json")] if data_dir.is_dir() else []
-    close = difflib.get_close_matches(name, [*BUILTIN_TASKS, *local, *DATASETS], n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, [*BUILTIN, *local, *DATASETS], n=1, cutoff=0.6)
     if not close:
-        return f"built-in: {', '.join(BUILTIN_TASKS)}; downloadable: {', '.join(DATASETS)}"
+        return f"built-in: {', '.join(BUILTIN)}; downloadable: {', '.join(DATASETS)}"
     get = f" (python data/download_data.py --dataset {close[0]})" if close[0] in DATASETS and close[0] not in local \
         else ""
     return f"closest: {close[0]!r}{get}"

@@ -29,10 +29,9 @@ from tqdm.auto import tqdm
 
 from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
 from core.schema import replace
+from data.builtin import builtin_sft_rows, sft_names
 from data.formats import DataFormatError, read_raw_rows
 from data.prompts import prompt_ids
-from data.puzzles import countdown_task, sudoku_task
-from data.tasks import arithmetic_task
 from jobs.checkpoint import check_fresh_run_dir, checkpoint_problem, empty_run_dir, load_checkpoint, save_checkpoint
 from jobs.config import config_text
 from jobs.demo import ensure_demo_model
@@ -41,9 +40,6 @@ from models.registry import family_spec, load_policy
 from sample.trajectory import Trajectory
 from train.accelerator import build_accelerator
 from train.sft_trainer import SFTTrainer, sft_sample
-
-ARITHMETIC_ANSWER = "The answer is \\boxed{{{answer}}}."
-
 
 # ------------------------------------------------------------------------------------------ data
 
@@ -58,16 +54,11 @@ def turn_end_id(adapter: Any) -> int:
 
 
 def builtin_rows(name: str, n: int, seed: int, difficulty: int) -> list[dict]:
-    """SFT rows of a built-in task: the question as the prompt, its reference answer boxed as the response
-    (``difficulty`` applies to arithmetic; the puzzles draw their train split)."""
-    makers = {"builtin:arithmetic": lambda: arithmetic_task(n, seed=seed, difficulty=difficulty),
-              "builtin:countdown": lambda: countdown_task(n, seed=seed),
-              "builtin:countdown2": lambda: countdown_task(n, seed=seed, count=2),
-              "builtin:sudoku": lambda: sudoku_task(n, seed=seed)}
-    if name not in makers:
-        raise DataFormatError(f"unknown built-in SFT dataset {name!r} ({', '.join(makers)})")
-    return [{"question": r["question"], "response": ARITHMETIC_ANSWER.format(answer=r["ground_truth_answer"])}
-            for r in makers[name]()]
+    """SFT rows of a built-in task (``data/builtin.py``): the question as the prompt, its worked solution or boxed
+    reference answer as the response (``difficulty`` applies to arithmetic; the puzzles draw their train split)."""
+    if name not in sft_names():
+        raise DataFormatError(f"unknown built-in SFT dataset {name!r} ({', '.join(sft_names())})")
+    return builtin_sft_rows(name, n, seed, difficulty)
 
 
 def read_rows(name: str, data_dir: str = "data") -> list[dict]:

@@ -55,7 +55,7 @@ def _eval_runs(tmp_path: Path, demo_tokenizer) -> list[list[str]]:
 def test_every_eval_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch):
     import eval as eval_entry
 
-    monkeypatch.setattr("jobs.rollout.BUILTIN_SIZE", 4)
+    monkeypatch.setattr("data.builtin.BUILTIN_SIZE", 4)
     reads: set[tuple[type, str]] = set()
     for argv in _eval_runs(tmp_path, demo_tokenizer):
         with record_reads() as seen:
@@ -99,7 +99,7 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_e
     from tests import rl_harness
     from tests.test_process_reward import _tiny_ar_judge
 
-    monkeypatch.setattr("jobs.rollout.BUILTIN_SIZE", 6)
+    monkeypatch.setattr("data.builtin.BUILTIN_SIZE", 6)
     wandb = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     sdar = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
@@ -149,7 +149,7 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_e
             rl_harness.install(patch=monkeypatch.setattr)
         else:
             monkeypatch.undo()
-            monkeypatch.setattr("jobs.rollout.BUILTIN_SIZE", 6)
+            monkeypatch.setattr("data.builtin.BUILTIN_SIZE", 6)
             monkeypatch.setitem(sys.modules, "wandb", wandb)
         with record_reads() as seen:
             assert rl.main(argv) == 0

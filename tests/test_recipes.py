@@ -77,7 +77,7 @@ def _overrides(path: Path, kind: str, ckpts: dict, out: Path, judge_url: str | N
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_runs_on_tiny_substitutes(path, ckpts, tmp_path, judge_endpoint, monkeypatch, demo_tokenizer):
-    monkeypatch.setattr("jobs.rollout.BUILTIN_SIZE", 2)  # tasks of a built-in dataset (evaluation, eval.py)
+    monkeypatch.setattr("data.builtin.BUILTIN_SIZE", 2)  # tasks of a built-in dataset (evaluation, eval.py)
     kind = job_kind(path)
     recipe = _file_config(path, kind)
     url, judge = judge_endpoint() if kind == "rl" and recipe.model.process_reward_model else (None, None)
