@@ -77,6 +77,7 @@ class ChatBody(_Body):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -121,7 +122,7 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
     async def completions(body: CompletionBody, request: Request):
         authorize(request)
         check_model(body)
-        _refuse_logprobs(body.logprobs)
+        _check_logprobs(body.logprobs or 0, "logprobs")
         prompts = _completion_prompts(adapter, body.prompt)
         return await _serve(engine, request, body, prompts, "text_completion", model_name)
 
@@ -129,7 +130,7 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
     async def chat_completions(body: ChatBody, request: Request):
         authorize(request)
         check_model(body)
-        _refuse_logprobs(body.logprobs)
+        _check_logprobs(body.top_logprobs or 0, "top_logprobs")
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         prompts = [_chat_prompt(adapter, body.messages)]
@@ -179,9 +180,13 @@ def _content_text(content: Any, i: int) -> str:
     raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _refuse_logprobs(logprobs: Any) -> None:
-    if logprobs:
-        raise RequestError(400, "logprobs are not supported by this server", "logprobs")
+def _check_logprobs(alternatives: int, field: str) -> None:
+    """Log-probs of the chosen tokens are served; alternatives are not (a diffusion sampler draws each token from
+    the distribution of the step that wrote it and keeps only the drawn token's log-prob)."""
+    if alternatives:
+        raise RequestError(400, f"{field}={alternatives}: only the chosen tokens' log-probs are available (ask for "
+                                f"{'logprobs=0' if field == 'logprobs' else 'logprobs=true without top_logprobs'})",
+                           field)
 
 
 # ---------------------------------------------------------------- running a request
@@ -194,8 +199,9 @@ async def _serve(engine: ServeEngine, http: Request, body: _Body, prompts: list[
     params = engine.request_params({name: getattr(body, name) for name in SAMPLING_FIELDS})
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    wants_logprobs = body.logprobs is not None and body.logprobs is not False  # completions: 0 asks for them
     req = engine.submit(f"{prefix}-{uuid.uuid4().hex[:24]}", prompts, body.n, params, stops, body.stream,
-                        body.return_step_map, asyncio.get_running_loop())
+                        body.return_step_map, asyncio.get_running_loop(), logprobs=wants_logprobs)
     head = {"id": req.id, "created": int(time.time()), "model": model_name}
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
@@ -206,7 +212,7 @@ async def _serve(engine: ServeEngine, http: Request, body: _Body, prompts: list[
         engine.cancel(req)
     if results is None:  # the client left; nobody reads this
         return JSONResponse({}, status_code=499)
-    choices = [_choice(kind, i, results[i]) for i in range(len(results))]
+    choices = [_choice(kind, i, results[i], engine.adapter.tokenizer) for i in range(len(results))]
     return {**head, "object": kind, "choices": choices, "usage": _usage(req, results.values())}
 
 
@@ -255,7 +261,8 @@ async def _stream(engine: ServeEngine, http: Request, req: EngineRequest, kind: 
                 yield _sse({**head, "object": obj, "choices": [_delta(kind, index, {"content": payload})]})
             else:
                 results[index] = payload
-                yield _sse({**head, "object": obj, "choices": [_delta(kind, index, {}, payload)]})
+                yield _sse({**head, "object": obj, "choices": [_delta(kind, index, {}, payload,
+                                                                          engine.adapter.tokenizer)]})
         if include_usage and len(results) == len(req.choices):
             yield _sse({**head, "object": obj, "choices": [], "usage": _usage(req, results.values())})
         yield "data: [DONE]\n\n"
@@ -265,25 +272,42 @@ async def _stream(engine: ServeEngine, http: Request, req: EngineRequest, kind: 
         engine.cancel(req)
 
 
-def _delta(kind: str, index: int, delta: dict, result: ChoiceResult | None = None) -> dict:
+def _delta(kind: str, index: int, delta: dict, result: ChoiceResult | None = None, tokenizer: Any = None) -> dict:
     """One choice of a stream chunk: new text, or (with ``result``) the finish reason."""
     if kind == "chat.completion":
         out: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
     else:
         out = {"index": index, "text": delta.get("content", ""), "finish_reason": None, "logprobs": None}
-    if result is not None:
+    if result is not None:  # the last chunk of a choice carries the log-probs of its whole text
         out["finish_reason"] = result.finish_reason
+        out["logprobs"] = _logprobs(kind, result, tokenizer)
         out.update(_replay(result))
     return out
 
 
-def _choice(kind: str, index: int, result: ChoiceResult) -> dict:
+def _choice(kind: str, index: int, result: ChoiceResult, tokenizer: Any) -> dict:
     if kind == "chat.completion":
         out = {"index": index, "message": {"role": "assistant", "content": result.text},
-               "finish_reason": result.finish_reason, "logprobs": None}
+               "finish_reason": result.finish_reason}
     else:
-        out = {"index": index, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-    return out | _replay(result)
+        out = {"index": index, "text": result.text, "finish_reason": result.finish_reason}
+    return out | {"logprobs": _logprobs(kind, result, tokenizer)} | _replay(result)
+
+
+def _logprobs(kind: str, result: ChoiceResult, tokenizer: Any) -> dict | None:
+    """OpenAI's log-probs object for the tokens of the choice's text: each token's log-prob under the model's
+    distribution at the denoising step that wrote it (temperature 1, before any top-k / top-p filter: the value
+    the sampler records and TraceRL trains on)."""
+    if result.logprobs is None:
+        return None
+    ids = [t for t, _ in result.logprobs]
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    if kind == "chat.completion":
+        return {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
+                            for piece, (_, lp) in zip(pieces, result.logprobs, strict=True)]}
+    offsets = [len(tokenizer.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
+    return {"tokens": pieces, "token_logprobs": [lp for _, lp in result.logprobs], "top_logprobs": None,
+            "text_offset": offsets}
 
 
 def _replay(result: ChoiceResult) -> dict:

@@ -64,6 +64,7 @@ class ChoiceResult:
     completion_tokens: int
     token_ids: list[int] | None = None
     step_map: list[int] | None = None
+    logprobs: list[tuple[int, float]] | None = None  # (token id, log-prob) of each token of ``text``
 
 
 class TextStream:
@@ -152,6 +153,7 @@ class Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     choices: list[Choice] = field(default_factory=list)
+    logprobs: bool = False  # report each token's log-prob (ChoiceResult.logprobs)
 
     @property
     def prompt_tokens(self) -> int:
@@ -208,9 +210,9 @@ class ServeEngine:
         return params
 
     def submit(self, request_id: str, prompts: list[list[int]], n: int, params: SamplingParams, stops: list[str],
-               stream: bool, step_map: bool, loop: asyncio.AbstractEventLoop) -> Request:
+               stream: bool, step_map: bool, loop: asyncio.AbstractEventLoop, logprobs: bool = False) -> Request:
         """Queue ``n`` sequences per prompt; raises RequestError (400 prompt too long, 503 queue full)."""
-        req = Request(request_id, prompts, n, params, stream, step_map, loop, asyncio.Queue())
+        req = Request(request_id, prompts, n, params, stream, step_map, loop, asyncio.Queue(), logprobs=logprobs)
         key, group_params = self._group_key(params)
         with self._cond:
             group = self._groups.get(key) or self._new_group(key, group_params)
@@ -337,7 +339,8 @@ class ServeEngine:
                 choice.request.post("text", choice.index, delta)
             if hit:
                 self._choices.pop(seq_id)
-                self._finish_at_stop(choice, ids, hit)
+                logps = next(r.logprobs for r in group.engine.sampler.running if r.seq.index == seq_id)
+                self._finish_at_stop(choice, ids, logps, hit)
                 stopped.append(seq_id)
         return stopped
 
@@ -346,7 +349,7 @@ class ServeEngine:
         ids = done.response[:-1] if ends_with_stop else done.response
         text, delta, hit = choice.stream.finish(ids)
         if hit:
-            self._finish_at_stop(choice, ids, hit, text, delta)
+            self._finish_at_stop(choice, ids, done.logprobs, hit, text, delta)
             return
         req = choice.request
         if delta and req.stream:
@@ -354,19 +357,26 @@ class ServeEngine:
         result = ChoiceResult(text, "stop" if ends_with_stop else "length", len(done.response))
         if req.step_map:
             result.token_ids, result.step_map = list(done.response), list(done.steps)
+        if req.logprobs:
+            result.logprobs = list(zip(ids, done.logprobs, strict=False))
         choice.done = True
         req.post("done", choice.index, result)
 
-    def _finish_at_stop(self, choice: Choice, ids: list[int], hit: tuple[int, int], text: str | None = None,
-                        delta: str = "") -> None:
-        """A stop string matched: the text before it is the answer; usage counts the tokens through the stop."""
+    def _finish_at_stop(self, choice: Choice, ids: list[int], logps: list[float], hit: tuple[int, int],
+                        text: str | None = None, delta: str = "") -> None:
+        """A stop string matched: the text before it is the answer; usage counts the tokens through the stop, the
+        log-probs cover the tokens that make up the answer (the last may run into the stop string)."""
         if text is None:
             text, delta, _ = choice.stream.finish(ids)
         req = choice.request
         if delta and req.stream:
             req.post("text", choice.index, delta)
+        result = ChoiceResult(text, "stop", choice.stream.tokens_through(ids, hit[1]))
+        if req.logprobs:
+            kept = choice.stream.tokens_through(ids, len(text)) if text else 0
+            result.logprobs = list(zip(ids[:kept], logps, strict=False))
         choice.done = True
-        req.post("done", choice.index, ChoiceResult(text, "stop", choice.stream.tokens_through(ids, hit[1])))
+        req.post("done", choice.index, result)
 
     def _fail(self, group: _Group, message: str) -> None:
         """Every sequence of a group whose step raised gets an error; the group is rebuilt on the next request."""

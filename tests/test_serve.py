@@ -136,6 +136,40 @@ def test_sixteen_concurrent_clients(server, sdar):
         assert list(pool.map(ask, range(16))) == expected
 
 
+def test_logprobs_are_the_samplers_record_of_each_token(server, sdar):
+    client, _, _ = server
+    traj, text = offline(sdar, sdar.encode_chat(QUESTIONS[5]))
+    ids = traj.response_ids[:-1] if traj.finish_reason in ("eos", "stop") else traj.response_ids
+    out = chat(client, QUESTIONS[5], logprobs=True).choices[0]
+    content = out.logprobs.content
+    assert "".join(c.token for c in content) == text and len(content) == len(ids)
+    assert [c.logprob for c in content] == pytest.approx(traj.logprobs[:len(ids)], abs=1e-4)
+    assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
+    assert chat(client, QUESTIONS[5]).choices[0].logprobs is None  # only when asked
+
+    last = None
+    for chunk in chat(client, QUESTIONS[5], logprobs=True, stream=True):
+        last = chunk.choices[0] if chunk.choices and chunk.choices[0].finish_reason else last
+    assert [c.logprob for c in last.logprobs.content] == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+    prompt = "4 + 4 ="
+    raw, raw_text = offline(sdar, sdar.tokenizer.encode(prompt, add_special_tokens=False), max_tokens=10)
+    lp = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, logprobs=0).choices[0].logprobs
+    assert "".join(lp.tokens) == raw_text and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset) and lp.top_logprobs is None
+    assert lp.token_logprobs == pytest.approx(raw.logprobs[:len(lp.tokens)], abs=1e-4)
+
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = chat(client, QUESTIONS[5], stop=[stop], logprobs=True).choices[0]
+    tokens = "".join(c.token for c in cut.logprobs.content)
+    assert tokens.startswith(cut.message.content) and len(tokens) < len(cut.message.content) + len(stop) + 8
+
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        chat(client, "hi", logprobs=True, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs=0"):
+        client.completions.create(model="tiny", prompt="hi", logprobs=3)
+
+
 def test_bad_requests_get_4xx_naming_the_field(server):
     client, url, _ = server
     with pytest.raises(openai.NotFoundError, match="model"):
