@@ -11,9 +11,9 @@ Per-request settings. A sampler runs one ``SamplingParams`` for its whole batch 
 strategy, seed, stop set), so requests are grouped by their settings: each group is one sampler + engine and the
 driver steps the busy groups in turn (one batched forward per group and round). On block models ``max_tokens``
 is not part of a group's settings: it is each sequence's own budget, so requests that differ only in length share
-a batch; full-attention models size the canvas by ``max_tokens`` and group by it too. A group whose last sequence
-leaves is dropped: the next request with a ``seed`` gets a fresh generator (a seeded request run alone gives the
-tokens of ``generate`` with that seed; sharing a batch with others of the same seed changes its draws).
+a batch; full-attention models size the canvas by ``max_tokens`` and group by it too. A request with a ``seed`` is
+a group of its own (its choices together) with a fresh generator, so it gets the tokens of ``generate`` with that
+seed whatever else runs; a group whose last sequence leaves is dropped.
 
 Text. Stops of the sampler are eval.py's (``SamplingParams.stop_ids``: EOS and the chat turn end; the token is
 not part of the returned text). A request's ``stop`` strings are matched in the decoded text, so they may span
@@ -214,6 +214,8 @@ class ServeEngine:
         """Queue ``n`` sequences per prompt; raises RequestError (400 prompt too long, 503 queue full)."""
         req = Request(request_id, prompts, n, params, stream, step_map, loop, asyncio.Queue(), logprobs=logprobs)
         key, group_params = self._group_key(params)
+        if params.seed is not None:  # its own batch and generator: the tokens of generate() with that seed
+            key += (("request", request_id),)
         with self._cond:
             group = self._groups.get(key) or self._new_group(key, group_params)
             budgets = [self._budget(group, p, params.max_tokens) for p in prompts]

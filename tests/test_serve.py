@@ -111,6 +111,30 @@ def test_n_choices_and_seeded_sampling(server, sdar):
     assert [c.token_ids for c in out.choices] == [t.response_ids for t in expected]
 
 
+def test_seeded_requests_running_together_each_get_generates_tokens(server, sdar):
+    """Two requests with the same seed, admitted in the same step, each sample as generate() with that seed alone
+    (sharing one generator would interleave their draws)."""
+    import asyncio
+
+    _, _, engine = server
+    ids = sdar.encode_chat(QUESTIONS[6])
+    params = SamplingParams(**(DEFAULTS | {"temperature": 1.0, "seed": 11}))
+    expected = generate(sdar, [ids], params, progress=False)[0].response_ids
+
+    async def both() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        with engine._cond:  # both pending before the driver's next step: they would share a batch
+            reqs = [engine.submit(f"r{i}", [ids], 1, params, [], False, True, loop) for i in range(2)]
+        out = []
+        for req in reqs:
+            while (event := await req.queue.get())[0] != "done":
+                pass
+            out.append(event[2].token_ids)
+        return out
+
+    assert asyncio.run(both()) == [expected, expected]
+
+
 def test_stop_strings_cut_the_text(server, sdar):
     client, _, _ = server
     _, text = offline(sdar, sdar.encode_chat(QUESTIONS[4]))
