@@ -5,23 +5,24 @@
     python -m bench.serve --device cuda --preset 1.7b --prompts 64 --clients 1,8,32,64
 
 Prints the hardware first. The same ``--prompts`` chat prompts are sampled (1) offline by one ``generate`` call
-(batch = all prompts) and one prompt at a time, and (2) through ``serve.py``'s app on 127.0.0.1 by C client
-threads, each sending streaming chat requests (raw SSE over HTTP) for the next prompt until all are answered.
+(batch = all prompts) and one prompt at a time, and (2) through ``serve.py``'s app on 127.0.0.1 by C concurrent
+clients, each sending streaming chat requests (raw SSE over HTTP) for the next prompt until all are answered.
 Responses have a fixed length (no stop tokens) so every variant generates the same number of tokens; greedy.
 Per level: tokens/s over the level's wall time, and per request p50 / p95 of the time to the first streamed text
 and to the end (of the round with the best throughput; ``--rounds`` interleaved rounds, best of each variant).
-Then the ratios against offline batch and against one client. Clients run in the same process as the server:
-their HTTP and JSON work competes with the sampler for the same cores (clients elsewhere would not).
+Then the ratios against offline batch and against one client. The clients run in their own process (one event
+loop), as real clients do, so their HTTP and JSON work never holds the server's interpreter lock; on a small
+machine they still share its cores (clients elsewhere would not).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing
 import statistics
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import torch
@@ -46,14 +47,14 @@ def offline(adapter, prompts: list[str], params: SamplingParams, batch: int) -> 
     return tokens / (time.perf_counter() - start)
 
 
-def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
     """(seconds to the first streamed text, seconds to the end, completion tokens) of one streaming chat."""
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}
     start, first, tokens = time.perf_counter(), None, 0
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
+        async for line in resp.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
@@ -64,28 +65,40 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int) ->
     return first if first is not None else float("nan"), time.perf_counter() - start, tokens
 
 
-def served(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
-    """One concurrency level: ``clients`` threads share the prompts; throughput and latency percentiles."""
+async def client_load(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple[list, float]:
+    """``clients`` concurrent clients (one event loop) share the prompts; every request's timings, the wall time."""
     todo = iter(prompts)
-    lock = threading.Lock()
     results: list[tuple[float, float, int]] = []
 
-    def client_loop() -> None:
-        with httpx.Client(timeout=600) as client:
-            while True:
-                with lock:
-                    prompt = next(todo, None)
-                if prompt is None:
-                    return
-                out = one_request(client, url, prompt, max_tokens)
-                with lock:
-                    results.append(out)
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        for prompt in todo:  # one event loop: no lock needed between the clients
+            results.append(await one_request(client, url, prompt, max_tokens))
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        for f in [pool.submit(client_loop) for _ in range(clients)]:
-            f.result()
-    wall = time.perf_counter() - start
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+        return results, time.perf_counter() - start
+
+
+def _client_process(url: str, prompts: list[str], clients: int, max_tokens: int, conn) -> None:
+    conn.send(asyncio.run(client_load(url, prompts, clients, max_tokens)))
+    conn.close()
+
+
+def served(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """One concurrency level: ``clients`` clients in another process (as real clients are: their HTTP and JSON work
+    does not hold the server's interpreter lock) share the prompts; throughput and latency percentiles."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_client_process, args=(url, prompts, clients, max_tokens, send), daemon=True)
+    proc.start()
+    try:
+        results, wall = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"the client process died (exit {proc.exitcode})") from None
+    finally:
+        proc.join()
     ttft, total = sorted(r[0] for r in results), sorted(r[1] for r in results)
     return {"clients": clients, "tok_s": sum(r[2] for r in results) / wall, "ttft_p50": _pct(ttft, 50),
             "ttft_p95": _pct(ttft, 95), "end_p50": _pct(total, 50), "end_p95": _pct(total, 95)}
