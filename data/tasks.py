@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data.formats import save_dataset_file, validate_rows  # noqa: E402
+from data.puzzles import draw_split  # noqa: E402
 
 __all__ = ["arithmetic_task", "word_problem_task", "code_task", "evaluate_expression"]
 
@@ -114,8 +115,6 @@ def word_problem_task(n: int, seed: int = 0, split: str = "train") -> list[dict]
     """``n`` distinct two-digit addition / subtraction word problems of ``split`` (a content hash holds one in five
     out, as for the puzzles). Each row carries a worked ``solution`` (the equation, then the boxed answer): the SFT
     target of the built-in recipe."""
-    from data.puzzles import draw_split
-
     return draw_split(n, seed, split, "word_problems", _word_problem)
 
 

@@ -120,14 +120,14 @@ class RLModelConfig(TrainModelConfig):
 class EvalDatasetConfig(Settings):
     eval_dataset: str = required()  # data/{name}.json, a .json/.jsonl path, or a built-in (data/builtin.py)
     data_type: DataType = "math"
-    builtin_size: int | None = bounded(None, 1)  # tasks drawn from a built-in dataset (null: 64; files: unused)
+    builtin_size: int | None = bounded(None, 1)  # tasks drawn from a built-in dataset (null: 64)
 
 
 @dataclass
 class RLDatasetConfig(Settings):
     train_dataset: str = required()
     data_type: DataType = "math"
-    builtin_size: int | None = bounded(None, 1)  # tasks drawn from a built-in dataset (null: 64; files: unused)
+    builtin_size: int | None = bounded(None, 1)  # tasks drawn from a built-in dataset (null: 64)
 
 
 def model_positions(pretrained_model: str) -> int | None:
@@ -152,8 +152,13 @@ def check_block_sizes(model: Any, sections: dict[str, Any]) -> None:
                                                         f"{limit} positions of {model.pretrained_model}")
 
 
-def check_builtin_type(dataset: str, data_type: str, key: str, name_key: str) -> None:
-    """A ``builtin:`` dataset must exist (``name_key``, the closest name suggested) and match the data type."""
+def check_builtin_type(dataset: str, data_type: str, key: str, name_key: str, builtin_size: int | None = None,
+                       size_key: str = "") -> None:
+    """A ``builtin:`` dataset must exist (``name_key``, the closest name suggested) and match the data type; a
+    ``builtin_size`` (``size_key``) is for built-in datasets only (a file's rows are all used)."""
+    if builtin_size is not None and dataset not in BUILTIN:
+        raise SettingError(size_key, f"builtin_size applies to built-in datasets only, not to {dataset!r} (a "
+                                     "file's rows are all used): remove it")
     if dataset.startswith("builtin:") and dataset not in BUILTIN:
         close = difflib.get_close_matches(dataset, list(BUILTIN), n=1, cutoff=0.5)
         hint = f"closest: {close[0]!r}" if close else f"built-in: {', '.join(BUILTIN)}"
@@ -229,13 +234,13 @@ class EvaluationConfig(EvalRollout):
 
     eval_dataset: str = "builtin:arithmetic"
     data_type: DataType = "math"
-    builtin_size: int | None = bounded(None, 1)  # tasks of a built-in dataset, drawn with seed experiment.seed + 1
-                                                 # (null: 64)
+    builtin_size: int | None = bounded(None, 1)  # built-in tasks drawn (null: 64), with seed experiment.seed + 1
     num_response_per_task: int = bounded(3, 1)
 
     def validate(self) -> None:
         super().validate()
-        check_builtin_type(self.eval_dataset, self.data_type, "eval_dataset", "eval_dataset")
+        check_builtin_type(self.eval_dataset, self.data_type, "eval_dataset", "eval_dataset", self.builtin_size,
+                           "builtin_size")
 
 
 @dataclass
@@ -315,7 +320,7 @@ class EvalConfig(Settings):
     def validate(self) -> None:
         super().validate()
         check_builtin_type(self.dataset.eval_dataset, self.dataset.data_type, "dataset.data_type",
-                           "dataset.eval_dataset")
+                           "dataset.eval_dataset", self.dataset.builtin_size, "dataset.builtin_size")
         check_block_sizes(self.model, {"rollout": self.rollout})
 
 
@@ -370,7 +375,7 @@ class RLConfig(Settings):
     def validate(self) -> None:
         super().validate()
         check_builtin_type(self.dataset.train_dataset, self.dataset.data_type, "dataset.data_type",
-                           "dataset.train_dataset")
+                           "dataset.train_dataset", self.dataset.builtin_size, "dataset.builtin_size")
         check_block_sizes(self.model, {"rollout": self.rollout, "evaluation": self.evaluation})
         if self.reward.overlong_buffer > self.rollout.max_tokens:
             raise SettingError("reward.overlong_buffer", f"reward.overlong_buffer ({self.reward.overlong_buffer}) "

@@ -63,6 +63,13 @@ def test_configs_take_the_builtin_size():
     assert cfg.dataset.builtin_size == 7 and cfg.dataset.eval_dataset == "builtin:word_problems_test"
     rl = load_config(["config=configs/real/rl_smollm2.yaml"], "rl")
     assert rl.dataset.builtin_size == 1000 and rl.evaluation.builtin_size == 128
+    from jobs.config import ConfigError
+
+    with pytest.raises(ConfigError, match="dataset.builtin_size.*built-in datasets only, not to 'MATH500'"):
+        load_config(["config=configs/real/eval_smollm2.yaml", "dataset.eval_dataset=MATH500",
+                     "dataset.builtin_size=5"], "eval")
+    with pytest.raises(ConfigError, match="evaluation.builtin_size.*built-in datasets only"):
+        load_config(["config=configs/real/rl_smollm2.yaml", "evaluation.eval_dataset=MATH500"], "rl")
     from jobs.rollout import load_tasks
 
     assert len(load_tasks("builtin:word_problems", "math", seed=1, n_builtin=9)) == 9
