@@ -78,10 +78,10 @@ def ar_baseline(source: Path, gguf_file: str | None, n: int, max_new_tokens: int
     tasks = builtin_tasks(HELD_OUT["name"], n, HELD_OUT["seed"])
     answers = ar_answers(model, tokenizer, [t["question"] for t in tasks], max_new_tokens)
     truth = [t["ground_truth_answer"] for t in tasks]
+    examples = [{"question": t["question"], "answer": a} for t, a in zip(tasks[:3], answers, strict=False)]
     return {"acc": sum(bool(score_math(a, g)) for a, g in zip(answers, truth, strict=True)) / len(tasks),
             "acc_last_number": sum(last_number(a) == g for a, g in zip(answers, truth, strict=True)) / len(tasks),
-            "tasks": len(tasks), "max_new_tokens": max_new_tokens, "examples": [{"question": t["question"], "answer": a}
-                                              for t, a in zip(tasks[:3], answers, strict=False)]}
+            "tasks": len(tasks), "max_new_tokens": max_new_tokens, "examples": examples}
 
 
 def tokens_per_forward(trajectories: Path) -> float:
@@ -184,11 +184,10 @@ class Stages:
 
 def read_curves(runs: Path) -> dict:
     """SFT loss per step, RL reward per step and the RL run's held-out accuracy at its evaluation steps."""
-    def lines(path: Path) -> list[dict]:
-        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    from bench.methods import read_metrics
 
-    sft = lines(runs / SFT_PROJECT / "metrics.jsonl")
-    rl = lines(runs / RL_PROJECT / "metrics.jsonl")
+    sft, rl = (read_metrics(path) if (path := runs / project / "metrics.jsonl").is_file() else []
+               for project in (SFT_PROJECT, RL_PROJECT))
     return {"sft_nll": [(m["step"], m["nll"]) for m in sft if "nll" in m],
             "rl_reward": [(m["step"], m["reward"]) for m in rl if "reward" in m],
             "rl_held_out": [(m["step"], m["eval_acc"]) for m in rl if "eval_acc" in m]}
