@@ -185,6 +185,17 @@ def test_one_step_with_positive_advantages_raises_logprobs(tiny):
     assert float((after > before).float().mean()) > 0.9
 
 
+def test_a_frozen_integer_weight_does_not_stop_a_step(tiny):
+    """A QLoRA base holds its weights as frozen packed 4-bit integers: the trainer's non-finite-weights check skips
+    what it does not train (on an H100 it crashed on them: a norm of a Byte tensor)."""
+    adapter = tiny("sdar", seed=6)
+    adapter.model.register_parameter("packed", torch.nn.Parameter(torch.arange(8, dtype=torch.uint8),
+                                                                  requires_grad=False))
+    trajs = fake_batch(adapter, n=2, seed=6)
+    (metrics,) = make_trainer(adapter, learning_rate=1e-3).train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    assert metrics["tokens"] > 0 and torch.equal(adapter.model.packed, torch.arange(8, dtype=torch.uint8))
+
+
 def test_steps_schedule_and_dropped_samples(tiny):
     adapter = tiny("sdar", seed=7)
     trajs = fake_batch(adapter, n=5, seed=7)

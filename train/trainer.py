@@ -255,9 +255,10 @@ class Trainer:
                 "training.mixed_precision); nothing of this step was saved")
 
     def _weights_norm(self) -> float:
-        """A norm over every local weight: one host sync, not finite as soon as one weight is not. Under ZeRO-3 a
-        process sees only its partitions (empty here): the loss and gradient-norm checks cover it."""
-        params = [p.detach() for p in self.model.parameters() if p.numel()]
+        """A norm over every local trained weight: one host sync, not finite as soon as one weight is not. Frozen
+        weights cannot change (and a QLoRA base's are packed 4-bit integers). Under ZeRO-3 a process sees only its
+        partitions (empty here): the loss and gradient-norm checks cover it."""
+        params = [p.detach() for p in self.model.parameters() if p.requires_grad and p.numel()]
         if not params:
             return 0.0
         return float(torch.stack(torch._foreach_norm(params, float("inf"))).max())
