@@ -342,6 +342,9 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
         layout._masks["block_mask"] = _flex_block_mask(layout, q.shape[2], q.device)
     fn = flex_attention
     if q.is_cuda:  # pragma: no cover - GPU only
+        if q.shape[-1] < 16:  # torch's FlexAttention kernels refuse smaller heads (NYI) deep inside the compiler
+            raise ValueError(f"model.attn_backend=flex needs a head dimension of at least 16 on CUDA; this model's is "
+                             f"{q.shape[-1]}: use attn_backend=sdpa")
         # Default compile settings (not dynamic=False): row lengths vary per batch, and automatic dynamic shapes
         # avoid a recompile per length (the FlexAttention maintainers' advice, pytorch/pytorch#141486).
         fn = _FLEX_COMPILED.setdefault("fn", torch.compile(flex_attention))

@@ -78,7 +78,9 @@ def grouped_expert_compute(x: Tensor, weights: Tensor, index: Tensor, experts: n
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // top_k  # the token each sorted (token, slot) pair came from
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()  # the one host copy (see module docstring)
+    # counted by a scatter, not bincount, whose CUDA kernel syncs on its own to size its output
+    counts = flat.new_zeros(len(experts)).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts.tolist()  # the one host copy (see module docstring)
     rows = x.index_select(0, token_of)
     # Under DeepSpeed ZeRO-3 an expert's weights are gathered by a collective when its module runs, so every rank
     # runs every expert, an idle one on zero rows: ranks that skipped different experts would pair up the wrong
