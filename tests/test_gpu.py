@@ -19,6 +19,17 @@ from train.views import build_view
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """fp32 products in full precision: a trainer turns TF32 on for the process (training.enable_tf32), which
+    would make these comparisons depend on which test built a trainer first (on an H100 the MoE logits then
+    differed from the CPU's by 2e-4)."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 BF16_LOGP_TOLERANCE = 0.1  # |sampler - trainer| log-prob in bf16: ~2^-8 relative error on logits of magnitude ~10
 
 
@@ -40,15 +51,24 @@ def test_sampler_tokens_on_cuda_equal_cpu(demo_tokenizer, model_base, extra):
 
 
 def test_flex_attention_equals_sdpa_in_training(tiny):
-    adapter = on(tiny("sdar", seed=1), "cuda")
+    adapter = on(tiny("sdar", seed=1, size="demo"), "cuda")  # head dimension 32: FlexAttention needs >= 16
     trajs = fake_batch(adapter, n=4)
     out = {}
     for backend in ("sdpa", "flex"):
         adapter.model.config.attn_backend = backend
-        trainer = make_trainer(adapter)
+        trainer = make_trainer(adapter, enable_tf32=False)  # full fp32 products in both backends
         batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.traits)
         out[backend] = trainer.logprobs(batch)
     torch.testing.assert_close(out["flex"], out["sdpa"], atol=1e-4, rtol=0)
+
+
+def test_flex_attention_refuses_heads_under_16_in_one_line(tiny):
+    adapter = on(tiny("sdar", seed=1), "cuda")  # head dimension 8
+    adapter.model.config.attn_backend = "flex"
+    trainer = make_trainer(adapter)
+    batch = build_view(fake_batch(adapter, n=2), {"f0": 1.0, "f1": 1.0}, trainer.cfg, trainer.traits)
+    with pytest.raises(ValueError, match="head dimension of at least 16"):
+        trainer.logprobs(batch)
 
 
 def test_flash_attention_equals_sdpa(tiny):
@@ -73,3 +93,49 @@ def test_bf16_sampler_logprobs_match_the_trainer(tiny, demo_tokenizer):
     assert batch.exact and batch.num_tokens > 0
     diff = (trainer.logprobs(batch) - batch.old_logprobs).abs().max()
     assert diff < BF16_LOGP_TOLERANCE, float(diff)
+
+
+@pytest.mark.parametrize("model_base", ["sdar_moe", "llada2", "llada_moe"])
+def test_moe_logits_on_cuda_equal_cpu(tiny, model_base):
+    adapter = tiny(model_base, seed=1)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(16).expand(2, 16)
+    layout = AttentionLayout.full(torch.ones(2, 16, dtype=torch.bool))
+    with torch.no_grad():
+        want = adapter.forward(ids, pos, layout)
+        cuda = on(adapter, "cuda")
+        got = cuda.forward(ids.cuda(), pos.cuda(), AttentionLayout.full(torch.ones(2, 16, dtype=torch.bool,
+                                                                                   device="cuda")))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=0)
+
+
+def test_qlora_loads_a_4bit_base_and_trains_only_the_adapters(tmp_path, demo_tokenizer):
+    """lora.load_in_4bit: the base's linear layers are bitsandbytes 4-bit NF4 on CUDA, the logits stay near the
+    full-precision model's, a training step moves the adapters and nothing else, and sampling runs on it."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from models.lora import LoraSettings, wrap
+    from models.registry import load_model
+    from models.tiny import save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    cfg = {"pretrained_model": str(path), "model_base": "sdar", "dtype": "bfloat16"}
+    full = load_model(cfg, device="cuda")
+    adapter = wrap(load_model(cfg, device="cuda", load_in_4bit=True), LoraSettings(enabled=True, rank=4, alpha=8,
+                                                                               load_in_4bit=True))
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in adapter.model.modules())
+    ids = torch.randint(0, 200, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    pos = torch.arange(12, device="cuda").expand(2, 12)
+    layout = AttentionLayout.full(torch.ones(2, 12, dtype=torch.bool, device="cuda"))
+    with torch.no_grad():
+        want, got = full.forward(ids, pos, layout).float(), adapter.forward(ids, pos, layout).float()
+    assert torch.corrcoef(torch.stack([want.flatten(), got.flatten()]))[0, 1] > 0.9  # NF4 rounding, not noise
+    frozen = {n: p.detach().clone() for n, p in adapter.model.named_parameters() if not p.requires_grad}
+    lora = {n: p.detach().clone() for n, p in adapter.model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+    trajs = sampled(adapter, [demo_tokenizer.encode(p) for p in PROMPTS], max_tokens=8, denoising_steps=2)
+    assert all(len(t.response_ids) == 8 for t in trajs)
+    trainer = make_trainer(adapter, learning_rate=1e-2)
+    trainer.train_step(trajs, {t.sample_id: (1.0 if i % 2 else -1.0) for i, t in enumerate(trajs)})
+    after = dict(adapter.model.named_parameters())
+    assert any(not torch.equal(after[n].detach(), v) for n, v in lora.items())
+    assert all(torch.equal(after[n].detach(), v) for n, v in frozen.items())
