@@ -20,8 +20,9 @@ not part of the returned text). A request's ``stop`` strings are matched in the 
 tokens: the text is cut before the first match and the sequence is cancelled. What is final: a block model
 commits a whole block at a time and never changes it (``committed()`` after every step); the text of the
 committed prefix is final except a trailing partial UTF-8 character and a tail that could be the start of a stop
-string, which are held back until the next block or the end. A full-attention model reports nothing before the
-end.
+string, which are held back until the next block or the end. A full-attention model decodes anywhere inside its
+current block but in block order, so its complete blocks are final too and stream the same way (one block of
+``block_size`` tokens at a time; nothing before the end when one block spans the whole answer).
 """
 
 from __future__ import annotations

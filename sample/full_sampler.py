@@ -32,7 +32,7 @@ context exactly (they were masked whenever a response token was decoded).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,8 @@ class _Running:
     blk: int = 0  # current block index
     t_block: int = 0  # steps done in the current block (0 = needs a cache refresh)
     masks_left: int = 0  # masks left in the current block
+    response: list[int] = field(default_factory=list)  # the blocks before ``blk``: complete, final, no stop in them
+    logprobs: list[float] = field(default_factory=list)  # their tokens' log-probs
 
 
 class FullSampler:
@@ -137,9 +139,9 @@ class FullSampler:
         self._drop(rows)
 
     def committed(self) -> dict[int, list[int]]:
-        """Nothing before the end: a full-attention row decodes anywhere in its block, and reading the decoded
-        prefix back every step would cost a host sync per step (the response is sent when it finishes)."""
-        return {}
+        """Each running sequence's complete blocks (for streaming): a row decodes anywhere inside its block, but
+        the blocks before it are done and final; they hold no stop token, or the row would have finished."""
+        return {r.seq.index: r.response for r in self.running}
 
     def _widen(self, prompt_len: int) -> None:
         """Left-pad the canvas so that prompts of ``prompt_len`` tokens fit (cached K/V are column-free)."""
@@ -221,7 +223,7 @@ class FullSampler:
     # ------------------------------------------------------------ after a step: blocks, stops, finished rows
 
     def _status(self) -> list[list[int]]:
-        """Per row [masks left in block, finished, cut, stopped, token at the stop] (the one host sync)."""
+        """Per row [masks left in block, finished, cut, stopped, token at the stop] (the one host sync per step)."""
         g, budget = self.gen_len, self.params.max_tokens
         gen = self.canvas[:, self.width:]
         cols = self.blk[:, None] * self.bl + torch.arange(self.bl, device=self.device)
@@ -239,6 +241,7 @@ class FullSampler:
     def _after_step(self) -> list[Finished]:
         status = self._status()
         finished = []
+        complete = []
         for i, (masks_left, fin, *_) in enumerate(status):
             row = self.running[i]
             row.t_block += 1
@@ -246,11 +249,26 @@ class FullSampler:
             if fin:
                 finished.append(i)
             elif masks_left == 0:
-                row.blk, row.t_block, row.masks_left = row.blk + 1, 0, self.bl
+                complete.append(i)
+        if complete:
+            self._keep_complete_blocks(complete)
         done = self._trajectories(finished, [status[i] for i in finished]) if finished else []
         if finished:
             self._drop(finished)
         return done
+
+    def _keep_complete_blocks(self, rows: list[int]) -> None:
+        """Move ``rows`` to their next block, keeping the finished block's tokens and log-probs on the host for
+        ``committed`` (a copy once per block, not per step)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        cols = self.blk[idx, None] * self.bl + torch.arange(self.bl, device=self.device)
+        tokens = self.canvas[idx, self.width:].gather(1, cols).tolist()
+        logps = self.rec_logp[idx].gather(1, cols).tolist()
+        for i, toks, lps in zip(rows, tokens, logps):
+            row = self.running[i]
+            row.response += toks
+            row.logprobs += lps
+            row.blk, row.t_block, row.masks_left = row.blk + 1, 0, self.bl
 
     def _trajectories(self, finished: list[int], status: list[list[int]]) -> list[Finished]:
         idx = torch.tensor(finished, dtype=torch.long, device=self.device)

@@ -96,3 +96,33 @@ def test_mmada_uses_the_same_full_attention_path(demo_tokenizer):
     mmada = sharp_tiny("mmada", demo_tokenizer, seed=4)
     out = generate(mmada, prompts_of((2, 5)), _greedy(cache="dual", max_active=1), progress=False)
     assert [len(t.response_ids) for t in out] == [10, 10] and out[0].block_size == BL
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_committed_grows_by_whole_final_blocks(full, cache):
+    """What a server streams: after each step every running row reports its complete blocks, which are a prefix
+    of its final response (tokens and log-probs) and only grow."""
+    import torch
+
+    from sample.engine import Engine, Sequence, trajectory
+    from sample.generate import make_sampler
+
+    prompts = prompts_of((1, 4))
+    params = _greedy(max_tokens=14, cache=cache)  # blocks of 4: 4, 8, 12 tokens committed before the end
+    want = generate(full, prompts, params, progress=False)
+    sampler = make_sampler(full, params, set(), None, torch.Generator().manual_seed(0))
+    engine = Engine(sampler, max_active=2)
+    for i, p in enumerate(prompts):
+        engine.add(Sequence(i, list(p), sampler.check_prompt(i, list(p))))
+    seen: dict[int, list[int]] = {0: [0], 1: [0]}
+    while engine.busy:
+        for done in engine.step():
+            assert trajectory(done).response_ids == want[done.seq.index].response_ids
+        for row in sampler.running:
+            index, ids = row.seq.index, sampler.committed()[row.seq.index]
+            assert len(ids) % BL == 0 and len(ids) >= seen[index][-1]
+            assert ids == want[index].response_ids[:len(ids)]
+            assert row.logprobs == pytest.approx(want[index].logprobs[:len(ids)], abs=1e-5)
+            if len(ids) > seen[index][-1]:
+                seen[index].append(len(ids))
+    assert seen == {0: [0, 4, 8, 12], 1: [0, 4, 8, 12]}

@@ -263,6 +263,25 @@ def test_full_attention_model_is_served(demo_tokenizer):
             texts, _, _ = streamed(client.chat.completions.create(
                 model="tiny-dream", messages=[{"role": "user", "content": "hi"}], stream=True))
             assert texts == {0: out.choices[0].message.content}
+            # its complete blocks stream as they finish, as a block model's do
+            long = generate(dream, [dream.encode_chat(QUESTIONS[1])], SamplingParams(**(defaults | {
+                "max_tokens": 16})), progress=False)[0]
+            assert len(long.response_ids) > 8  # three blocks or more: two sent before the end
+            body = {"model": "tiny-dream", "messages": [{"role": "user", "content": QUESTIONS[1]}],
+                    "max_tokens": 16, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+                lines = [line for line in resp.iter_lines() if line]
+            pieces = [c["delta"].get("content") for line in lines[:-1] for c in json.loads(line[6:])["choices"]]
+            assert len([p for p in pieces if p]) > 1
+            # a stop string inside a complete block ends the row before the sampler does (read from committed())
+            text = dream.tokenizer.decode(long.response_ids[:-1] if long.finish_reason != "length"
+                                          else long.response_ids, skip_special_tokens=False)
+            stop = dream.tokenizer.decode(long.response_ids[5:7], skip_special_tokens=False)
+            assert stop.strip() and text.find(stop) >= 0
+            out = client.chat.completions.create(model="tiny-dream", max_tokens=16, stop=[stop],
+                                                 messages=[{"role": "user", "content": QUESTIONS[1]}])
+            assert out.choices[0].message.content == text[:text.find(stop)]
+            assert out.choices[0].finish_reason == "stop"
     finally:
         engine.close()
 
