@@ -38,6 +38,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.files import write_atomic
+from sample.trajectory import tokens_per_step
 
 REPO = Path(__file__).resolve().parents[1]
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,12 +87,8 @@ def ar_baseline(source: Path, gguf_file: str | None, n: int, max_new_tokens: int
 
 def tokens_per_forward(trajectories: Path) -> float:
     """Mean over responses of generated tokens / denoising forwards of the response's row (distinct steps)."""
-    ratios = []
-    for line in trajectories.read_text().splitlines():
-        row = json.loads(line)
-        if row["step_map"]:
-            ratios.append(len(row["step_map"]) / len(set(row["step_map"])))
-    return sum(ratios) / len(ratios) if ratios else 0.0
+    rows = (json.loads(line) for line in trajectories.read_text().splitlines() if line.strip())
+    return tokens_per_step(row["step_map"] for row in rows)
 
 
 def eval_result(folder: Path) -> dict:

@@ -19,7 +19,7 @@ from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollo
 from jobs.sft import run_sft
 from models.registry import ModelLoadError, load_model
 from sample.trace_viewer import build_trace_html
-from sample.trajectory import Trajectory, write_jsonl
+from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
 
 TRACE_SAMPLES = 16
 
@@ -73,6 +73,7 @@ def evaluate(adapter: Any, tasks: list[dict], data_type: str, rollout_cfg: Any, 
                    "acc": sum(t.correct for t in trajs) / max(len(trajs), 1),
                    "mean_score": sum(t.score for t in trajs) / max(len(trajs), 1),
                    "avg_length": sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1),
+                   "tokens_per_step": tokens_per_step(t.step_map for t in trajs),
                    "finish_reasons": _count(t.finish_reason for t in trajs),
                    "sampling": stats, "wall_s": time.perf_counter() - start}
         for kk in rollout_cfg.pass_k:
@@ -91,13 +92,13 @@ def summary_table(results: list[dict]) -> str:
     """A fixed-width table of the runs (one line per sampler setting)."""
     pass_keys = sorted({k for r in results for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
     head = (f"{'strategy':<24}{'top_k':>6}{'block':>6}{'acc':>8}" + "".join(f"{k:>9}" for k in pass_keys)
-            + f"{'length':>8}{'tok/fwd':>8}{'tok/s':>9}")
+            + f"{'length':>8}{'tok/step':>9}{'tok/s':>9}")
     lines = [head]
     for r in results:
         s, samp = r["setting"], r["sampling"]
         lines.append(f"{s['remasking_strategy']:<24}{s['top_k']:>6}{str(s['block_size'] or '-'):>6}{r['acc']:>8.3f}"
                      + "".join(f"{r[k]:>9.3f}" for k in pass_keys)
-                     + f"{r['avg_length']:>8.1f}{samp['tokens_per_forward']:>8.2f}{samp['tokens_per_second']:>9.1f}")
+                     + f"{r['avg_length']:>8.1f}{r['tokens_per_step']:>9.2f}{samp['tokens_per_second']:>9.1f}")
     return "\n".join(lines)
 
 

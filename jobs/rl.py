@@ -65,7 +65,7 @@ from models.lora import wrapped_model
 from models.registry import family_spec, load_model, load_policy
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages, overlong_penalty
-from sample.trajectory import Trajectory, write_jsonl
+from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
 from train.accelerator import build_accelerator, gather_objects
 from train.algorithms import algorithm
 from train.policy_trainer import PolicyTrainer
@@ -535,7 +535,7 @@ class RLJob:
             write_atomic(out / "eval" / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
         return {"eval_acc": results[0]["acc"], "eval": [{**r["setting"], "acc": r["acc"],
                                                           "avg_length": r["avg_length"],
-                                                          "tokens_per_forward": r["sampling"]["tokens_per_forward"]}
+                                                          "tokens_per_step": r["tokens_per_step"]}
                                                          for r in results]}
 
     # ------------------------------------------------------------ checkpoints
@@ -649,7 +649,8 @@ def _rollout_metrics(trajs: list[Trajectory], stats: dict) -> dict:
         "acc": sum(correct) / n,
         f"pass@{k}": sum(pass_at_k(len(g), sum(g), len(g)) for g in groups.values()) / max(len(groups), 1),
         "response_length": sum(len(t.response_ids) for t in trajs) / n,
-        "tokens_per_forward": stats["tokens_per_forward"],
+        "tokens_per_step": tokens_per_step(t.step_map for t in trajs),
+        "tokens_per_forward": stats["tokens_per_forward"],  # per batched forward (grows with the batch)
         "tokens_per_second": stats["tokens_per_second"],
         # mean -log p of the sampled tokens: an estimate of the policy's entropy on its own samples
         "entropy": -sum(sampled_logp) / max(len(sampled_logp), 1),
@@ -683,7 +684,7 @@ def format_line(m: dict, total: int) -> str:
     parts = [f"step {step}/{total}"]
     if "reward" in m:
         parts += [f"reward {m['reward']:.3f}", f"acc {m['acc']:.3f}", f"len {m['response_length']:.1f}",
-                  f"tok/fwd {m['tokens_per_forward']:.2f}", f"kept {m['kept']}/{m['samples']}"]
+                  f"tok/step {m['tokens_per_step']:.2f}", f"kept {m['kept']}/{m['samples']}"]
         if m.get("optimizer_steps") == 0:
             parts.append("NO UPDATE")
         if "approx_kl" in m:
@@ -707,7 +708,7 @@ def _plot_curves(history: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("reward", "reward"), ("acc", "train accuracy"), ("eval_acc", "eval accuracy"),
-              ("response_length", "response length"), ("tokens_per_forward", "tokens / forward"),
+              ("response_length", "response length"), ("tokens_per_step", "tokens / denoising step"),
               ("approx_kl", "KL (old || new)")]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
     for ax, (key, title) in zip(axes.flat, panels, strict=True):

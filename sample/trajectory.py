@@ -6,7 +6,7 @@ Token ids are stored exactly as generated (never re-tokenised text), so training
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -84,6 +84,14 @@ class Trajectory:
         if unknown:
             raise ValueError(f"unknown trajectory field(s) {sorted(unknown)}")
         return cls(**row)
+
+
+def tokens_per_step(step_maps: Iterable[Sequence[int]]) -> float:
+    """Mean over responses of response tokens / the denoising steps that wrote them (distinct values of the step
+    map): the per-sequence parallelism of a dLLM decoder. Counting batched forwards instead
+    (``RolloutStats.tokens_per_forward``) grows with the batch size."""
+    ratios = [len(steps) / len(set(steps)) for steps in step_maps if len(steps)]
+    return sum(ratios) / len(ratios) if ratios else 0.0
 
 
 def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import eval as eval_entry
 from data.tasks import arithmetic_task, code_task
 from jobs.rollout import score_rollout
@@ -33,6 +35,9 @@ def test_eval_demo_runs_end_to_end(tmp_path, capsys, demo_tokenizer):
         spans = [(min(v), max(v)) for _, v in sorted(blocks.items())]
         assert spans[0][0] >= 1 and all(prev[1] < nxt[0] for prev, nxt in zip(spans, spans[1:]))
     assert all(0.0 <= t.score <= 1.0 for t in trajs)
+    per_row = [len(t.step_map) / len(set(t.step_map)) for t in trajs if t.step_map]  # tokens per denoising step
+    assert metrics["tokens_per_step"] == pytest.approx(sum(per_row) / len(per_row))
+    assert 1.0 <= metrics["tokens_per_step"] <= 4.0  # at most a block of 4 per step, whatever the batch
     assert "<html" in (run / "trace-builtin_arithmetic.html").read_text().lower()
     assert "acc" in capsys.readouterr().out
 
