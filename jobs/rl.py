@@ -271,9 +271,6 @@ class RLJob:
     def _value_trainer(self, resume_from: int | None) -> ValueTrainer:
         """The value model: initialised from ``model.value_base_model`` (zero head), or its checkpoint."""
         cfg = self.cfg
-        if self.acc.distributed_type == DistributedType.DEEPSPEED:
-            raise RunDirError("the value model does not run under DeepSpeed yet (one accelerator holds one "
-                              "DeepSpeed engine); use DDP or a single process")
         saved = None if resume_from is None else self.run.step(resume_from) / "ckpt" / "value" / "policy"
         if saved is not None and not cfg.lora.enabled:
             model = load_value_model(saved)
@@ -289,7 +286,15 @@ class RLJob:
         adapter = dataclasses.replace(self.adapter, model=model)
         params = replace_settings(cfg.optimizer.params, learning_rate=cfg.optimizer.params.value_learning_rate)
         steps = math.ceil(cfg.experiment.total_step / cfg.experiment.train_value_every) * cfg.training.num_train_epochs
-        return ValueTrainer(adapter, cfg.training, params, cfg.lr_scheduler, total_steps=steps, accelerator=self.acc)
+        acc = self.acc
+        if acc.distributed_type == DistributedType.DEEPSPEED:
+            # An Accelerator drives one DeepSpeed engine (its backward and step go to the engine it prepared last):
+            # the value model gets an Accelerator of its own, with the same launch state and DeepSpeed config.
+            t = cfg.training
+            acc = build_accelerator(mixed_precision=t.mixed_precision,
+                                    gradient_accumulation_steps=t.gradient_accumulation_steps,
+                                    micro_batch_size=t.batch_size_lm)
+        return ValueTrainer(adapter, cfg.training, params, cfg.lr_scheduler, total_steps=steps, accelerator=acc)
 
     def _check_run_dir(self) -> int | None:
         """None for a fresh run (the directory must be empty unless overwrite); else the step to resume from."""

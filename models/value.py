@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
+from models.base import full_weights
 from models.common import AttentionLayout
 from models.dream import DreamBaseModel, DreamConfig
 from models.llada import LLaDAConfig, LLaDAModel, MMadaConfig
@@ -91,7 +92,9 @@ def value_model_from_policy(policy: PreTrainedModel) -> ValueModel:
     cfg = ValueConfig(policy=policy.config.to_dict())
     value = ValueModel(cfg).to(next(policy.parameters()).dtype)
     backbone = policy.backbone if hasattr(policy, "backbone") else policy.model
-    missing, unexpected = value.model.load_state_dict(backbone.state_dict(), strict=False)
+    with full_weights(*backbone.parameters()):  # loaded under ZeRO-3 the policy is partitioned: copy it whole
+        state = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
+    missing, unexpected = value.model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"policy backbone does not fit the value backbone (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]})")

@@ -68,12 +68,17 @@ def dump_weights_at_end(path: str) -> None:
 
     def run_and_dump(self, first):
         out = run_steps(self, first)
-        with jobs.rl.sampling_weights(self.trainer):
-            digest = hashlib.sha256()
-            for name, p in sorted(self.adapter.model.named_parameters()):
-                digest.update(name.encode() + p.detach().float().cpu().numpy().tobytes())
+        digests = {}
+        for key, trainer in (("digest", self.trainer), ("value_digest", self.value)):
+            if trainer is None:
+                continue
+            with jobs.rl.sampling_weights(trainer):  # whole weights under ZeRO-3
+                digest = hashlib.sha256()
+                for name, p in sorted(trainer.adapter.model.named_parameters()):
+                    digest.update(name.encode() + p.detach().float().cpu().numpy().tobytes())
+                digests[key] = digest.hexdigest()
         Path(f"{path}.{self.acc.process_index}.json").write_text(json.dumps(
-            {"digest": digest.hexdigest(), "num_processes": self.acc.num_processes,
+            {**digests, "num_processes": self.acc.num_processes,
              "distributed_type": str(self.acc.distributed_type)}))
         return out
 

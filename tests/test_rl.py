@@ -162,3 +162,29 @@ def test_two_process_rl_keeps_ranks_identical(tmp_path, ckpts, config, base, kin
         more = _harness([*args, "experiment.start_from_scratch=false", "experiment.total_step=3"])
         assert more.returncode == 0 and "fresh optimizer state" in more.stdout, more.stderr[-3000:]
         assert json.loads((run / "step_3" / "metrics.json").read_text())["optimizer_steps"] >= 1
+
+
+@pytest.mark.slow
+def test_two_process_zero3_rl_trains_a_value_model_beside_the_policy(tmp_path, ckpts):
+    """Value-guided TraceRL under DeepSpeed ZeRO-3: the value model gets an engine (and an Accelerator) of its own;
+    both models train and stay identical across the ranks, and the value checkpoint is written whole."""
+    from tests.test_train_distributed import _free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RL_HARNESS"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RL_HARNESS_DUMP=str(tmp_path / "w"))
+    args = demo_args(tmp_path, ckpts["sdar"], "sdar", **{"experiment.total_step": 2, "experiment.save_every": 2,
+                                                          "rollout.num_task_per_step": 4,
+                                                          "model.value_base_model": ckpts["sdar"]})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_zero3_2proc.yaml"), "--main_process_port", str(_free_port()),
+           str(HARNESS), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"w.{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["distributed_type"] == "DistributedType.DEEPSPEED" for r in ranks)
+    assert ranks[0]["digest"] == ranks[1]["digest"] and ranks[0]["value_digest"] == ranks[1]["value_digest"]
+    value = load_file(str(tmp_path / "run" / "step_2" / "ckpt" / "value" / "policy" / "model.safetensors"))
+    assert float(value["value_head.weight"].abs().max()) > 0  # trained away from its zero init
+    start = load_file(str(ckpts["sdar"] / "model.safetensors"))
+    end = weights(tmp_path / "run" / "step_2")
+    assert max(float((start[k].float() - end[k].float()).abs().max()) for k in start) > 1e-4
