@@ -16,6 +16,8 @@
    says so).
 2. One TraceRL training step (SDAR-1.7B shape, bf16, gradient checkpointing, ``--train-samples`` synthetic
    trajectories of 128 prompt + 512 response tokens): time and peak memory, SDPA vs FlexAttention.
+   ``fuse``: the sampler with finished blocks stored fused and separately at each batch size (mixed prompt
+   lengths), the measurement behind ``FUSE_MAX_TOKENS["cuda"]`` (sample/block_sampler.py).
 3. One MoE layer of SDAR-30B-A3B's shape (hidden 2048, 128 experts, top-8, expert width 768) in bf16: grouped
    expert compute vs every expert on every token at decode and training shapes, and the host syncs per forward
    (counted by torch's sync debug mode).
@@ -129,6 +131,46 @@ def sampler_rows(args, device: str) -> list[dict]:
         del adapter
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    return rows
+
+
+def fuse_rows(args, device: str) -> list[dict]:
+    """Fused vs separate stores of finished blocks (``sample/block_sampler.FUSE_MAX_TOKENS``): the sampler at each
+    batch size with fusing always on and always off, prompts of mixed lengths (rows finish blocks at different
+    steps, so some carry a block and some do not). Where fusing stops paying sets that constant for this device."""
+    from sample import block_sampler
+    from sample.generate import generate
+    from sample.params import SamplingParams
+
+    shape = args.shapes[0]
+    adapter = build_adapter(shape, device, args.dtype)
+    sp = SamplingParams(max_tokens=args.tokens, denoising_steps=4, temperature=1.0, seed=0, ignore_eos=True,
+                        stop_token_ids=[], remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.9,
+                        max_active=max(args.batches))
+    g = torch.Generator().manual_seed(1)
+    rows, saved = [], dict(block_sampler.FUSE_MAX_TOKENS)
+    try:
+        for batch in args.batches:
+            prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),),
+                                     generator=g).tolist() for _ in range(batch)]
+            speed = {}
+            for mode, limit in (("fused", 1 << 30), ("separate", 0)):
+                block_sampler.FUSE_MAX_TOKENS.update(cuda=limit, cpu=limit)
+                walls = []
+                for _ in range(2):  # cold, then warm (the figure)
+                    _sync(device)
+                    start = time.perf_counter()
+                    stats = generate(adapter, prompts, sp, progress=False).stats
+                    _sync(device)
+                    walls.append(time.perf_counter() - start)
+                speed[mode] = stats.generated_tokens / walls[-1]
+            row = {"shape": shape, "batch": batch, "fused_tok_s": speed["fused"],
+                   "separate_tok_s": speed["separate"], "fused_over_separate": speed["fused"] / speed["separate"],
+                   "fused_forward_tokens": 2 * 4 * batch}
+            rows.append(row)
+            print(f"  fuse {json.dumps(row)}", flush=True)
+    finally:
+        block_sampler.FUSE_MAX_TOKENS.update(saved)
     return rows
 
 
@@ -322,6 +364,12 @@ def report(result: dict) -> str:
         what = (f"{r['seconds']:.2f} s, peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None
                 else f"{r['seconds']:.2f} s") if "error" not in r else f"FAILED {r['error']}"
         lines.append(f"  {r['shape']} {r['attention']:<5}: {what}")
+    if result.get("fuse"):
+        lines.append("finished blocks stored fused vs separately (FUSE_MAX_TOKENS; tokens/s, warm):")
+        for r in result["fuse"]:
+            lines.append(f"  {r['shape']:<10} batch {r['batch']:>4} ({r['fused_forward_tokens']:>5} tokens fused): "
+                         f"fused {r['fused_tok_s']:.1f}, separate {r['separate_tok_s']:.1f} "
+                         f"({r['fused_over_separate']:.2f}x)")
     if result.get("moe"):
         lines.append("MoE layer (SDAR-30B-A3B shape; grouped vs every expert on every token):")
         for r in result["moe"]:
@@ -334,7 +382,8 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = {"sampler": sampler_rows, "training": training_rows, "moe": moe_rows, "smoke": smoke_rows}
+SECTIONS = {"sampler": sampler_rows, "fuse": fuse_rows, "training": training_rows, "moe": moe_rows,
+            "smoke": smoke_rows}
 
 
 def main(argv: list[str] | None = None) -> int:

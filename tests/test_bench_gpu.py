@@ -1,0 +1,35 @@
+"""bench.gpu's own code on the CPU (``--quick``): a GPU session should find its measuring code working, not debug it
+on the clock. The smoke section (processes of the real entry points) is left to the GPU run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import gpu
+
+
+def test_quick_cpu_run_measures_every_section_but_the_smoke_runs(tmp_path):
+    out = tmp_path / "bench_gpu.json"
+    rc = gpu.main(["--quick", "--device", "cpu", "--sections", "sampler,fuse,training,moe", "--batches", "1,3",
+                   "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    sampler = result["sampler"]
+    assert {(r["strategy"], r["batch"]) for r in sampler} == {(s, b) for s in ("static", "dynamic") for b in (1, 3)}
+    assert all(r["tok_s"] > 0 and r["cold_tok_s"] > 0 and 0 < r["forwards_per_token"] <= 2 for r in sampler)
+    assert [r["batch"] for r in result["fuse"]] == [1, 3]
+    assert all(r["fused_over_separate"] == pytest.approx(r["fused_tok_s"] / r["separate_tok_s"])
+               for r in result["fuse"])
+    assert [r["attention"] for r in result["training"]] == ["sdpa"] and "error" not in result["training"][0]
+    moe = result["moe"]
+    assert [r["tokens"] for r in moe] == [4, 128, 512]
+    assert all(r["max_diff"] < 1e-4 and r["host_syncs_per_forward"] is None for r in moe)  # fp32 on CPU
+    assert "smoke" not in result
+
+
+def test_an_unknown_section_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu.main(["--quick", "--device", "cpu", "--sections", "sampler,warp"])
+    assert "unknown section(s) ['warp']" in capsys.readouterr().err
