@@ -216,7 +216,7 @@ ROWS = [("ar", "(i) AR model, greedy"), ("converted", "(ii) converted, before ad
 
 def format_table(report: dict) -> str:
     stages = report["stages"]
-    out = [f"{'model':<36}{'acc':>7}{'acc T=1':>9}{'tok/fwd':>9}{'length':>8}", "-" * 69]
+    out = [f"{'model':<36}{'acc':>7}{'acc T=1':>9}{'tok/step':>9}{'length':>8}", "-" * 69]
     for key, label in ROWS:
         s = stages.get(key)
         if s is None:
