@@ -86,8 +86,23 @@ def _sync(device: str) -> None:
 # ------------------------------------------------------------------------------------------ sampler
 
 
-def sampler_rows(args, device: str) -> list[dict]:
+def _generate_twice(adapter, prompts: list[list[int]], params, device: str) -> tuple[object, list[float]]:
+    """(RolloutStats of the second run, [cold wall, warm wall]). On an H100 a cold batch-128 run was 2.6-3x slower
+    than the same run warm (its kernels, its allocator segments for the growing KV cache); rollouts repeat, so the
+    warm run is the figure and the cold one is kept beside it."""
     from sample.generate import generate
+
+    walls = []
+    for _ in range(2):
+        _sync(device)
+        start = time.perf_counter()
+        stats = generate(adapter, prompts, params, progress=False).stats
+        _sync(device)
+        walls.append(time.perf_counter() - start)
+    return stats, walls
+
+
+def sampler_rows(args, device: str) -> list[dict]:
     from sample.params import SamplingParams
 
     peak_tflops, bandwidth = device_figures(device, args)
@@ -104,16 +119,7 @@ def sampler_rows(args, device: str) -> list[dict]:
             for batch in args.batches:
                 prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),),
                                          generator=g).tolist() for _ in range(batch)]
-                # Timed twice, the first run cold: on an H100 a cold batch-128 run was 2.6-3x slower than the same
-                # run warm (its kernels, its allocator segments for the growing KV cache); rollouts repeat, so the
-                # warm run is the figure, the cold one is kept beside it.
-                walls = []
-                for _ in range(2):
-                    _sync(device)
-                    start = time.perf_counter()
-                    stats = generate(adapter, prompts, sp, progress=False).stats
-                    _sync(device)
-                    walls.append(time.perf_counter() - start)
+                stats, walls = _generate_twice(adapter, prompts, sp, device)
                 wall = walls[-1]
                 tok_s = stats.generated_tokens / wall
                 per_forward = stats.generated_tokens / max(stats.forwards, 1)
@@ -139,7 +145,6 @@ def fuse_rows(args, device: str) -> list[dict]:
     batch size with fusing always on and always off, prompts of mixed lengths (rows finish blocks at different
     steps, so some carry a block and some do not). Where fusing stops paying sets that constant for this device."""
     from sample import block_sampler
-    from sample.generate import generate
     from sample.params import SamplingParams
 
     shape = args.shapes[0]
@@ -156,13 +161,7 @@ def fuse_rows(args, device: str) -> list[dict]:
             speed = {}
             for mode, limit in (("fused", 1 << 30), ("separate", 0)):
                 block_sampler.FUSE_MAX_TOKENS.update(cuda=limit, cpu=limit)
-                walls = []
-                for _ in range(2):  # cold, then warm (the figure)
-                    _sync(device)
-                    start = time.perf_counter()
-                    stats = generate(adapter, prompts, sp, progress=False).stats
-                    _sync(device)
-                    walls.append(time.perf_counter() - start)
+                stats, walls = _generate_twice(adapter, prompts, sp, device)
                 speed[mode] = stats.generated_tokens / walls[-1]
             row = {"shape": shape, "batch": batch, "fused_tok_s": speed["fused"],
                    "separate_tok_s": speed["separate"], "fused_over_separate": speed["fused"] / speed["separate"],
