@@ -19,6 +19,7 @@ from train.views import build_view
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+
 @pytest.fixture(autouse=True)
 def exact_fp32():
     """fp32 products in full precision: a trainer turns TF32 on for the process (training.enable_tf32), which
