@@ -214,10 +214,7 @@ class RLJob:
         """Check the run directory, build the model and trainer; returns the first step to run."""
         cfg = self.cfg
         cfg.system.apply()
-        t = cfg.training
-        self.acc = build_accelerator(mixed_precision=t.mixed_precision,
-                                     gradient_accumulation_steps=t.gradient_accumulation_steps,
-                                     micro_batch_size=t.batch_size_lm)
+        self.acc = self._accelerator()
         self.main = is_main(self.acc)
         if self.main:
             self.lock = RunLock(self.root)
@@ -268,6 +265,13 @@ class RLJob:
         barrier(self.acc)
         return first
 
+    def _accelerator(self) -> Any:
+        """An Accelerator for this launch with the training section's precision, accumulation and micro-batch."""
+        t = self.cfg.training
+        return build_accelerator(mixed_precision=t.mixed_precision,
+                                 gradient_accumulation_steps=t.gradient_accumulation_steps,
+                                 micro_batch_size=t.batch_size_lm)
+
     def _value_trainer(self, resume_from: int | None) -> ValueTrainer:
         """The value model: initialised from ``model.value_base_model`` (zero head), or its checkpoint."""
         cfg = self.cfg
@@ -286,14 +290,9 @@ class RLJob:
         adapter = dataclasses.replace(self.adapter, model=model)
         params = replace_settings(cfg.optimizer.params, learning_rate=cfg.optimizer.params.value_learning_rate)
         steps = math.ceil(cfg.experiment.total_step / cfg.experiment.train_value_every) * cfg.training.num_train_epochs
-        acc = self.acc
-        if acc.distributed_type == DistributedType.DEEPSPEED:
-            # An Accelerator drives one DeepSpeed engine (its backward and step go to the engine it prepared last):
-            # the value model gets an Accelerator of its own, with the same launch state and DeepSpeed config.
-            t = cfg.training
-            acc = build_accelerator(mixed_precision=t.mixed_precision,
-                                    gradient_accumulation_steps=t.gradient_accumulation_steps,
-                                    micro_batch_size=t.batch_size_lm)
+        # An Accelerator drives one DeepSpeed engine (its backward and step go to the engine it prepared last):
+        # under DeepSpeed the value model gets an Accelerator of its own, with the same launch state and config.
+        acc = self._accelerator() if self.acc.distributed_type == DistributedType.DEEPSPEED else self.acc
         return ValueTrainer(adapter, cfg.training, params, cfg.lr_scheduler, total_steps=steps, accelerator=acc)
 
     def _check_run_dir(self) -> int | None:

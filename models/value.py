@@ -93,8 +93,7 @@ def value_model_from_policy(policy: PreTrainedModel) -> ValueModel:
     value = ValueModel(cfg).to(next(policy.parameters()).dtype)
     backbone = policy.backbone if hasattr(policy, "backbone") else policy.model
     with full_weights(*backbone.parameters()):  # loaded under ZeRO-3 the policy is partitioned: copy it whole
-        state = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
-    missing, unexpected = value.model.load_state_dict(state, strict=False)
+        missing, unexpected = value.model.load_state_dict(backbone.state_dict(), strict=False)
     if missing or unexpected:
         raise ValueError(f"policy backbone does not fit the value backbone (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]})")
