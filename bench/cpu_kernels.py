@@ -6,7 +6,10 @@
   the weight again on every call) vs the pre-packed groups of ``models.layers.packed_projections``; the weights
   of several layers are cycled, as in a forward, so they come from L3 and not from a warm L2;
 - attention: SDPA with ``enable_gqa`` vs ``models.common._grouped_query_attention`` (query heads of a K/V head
-  folded into the query axis) at decode shapes, with the maximum difference of their outputs.
+  folded into the query axis) at decode shapes, with the maximum difference of their outputs;
+- threads: small ops on the main thread vs the same ops on a second thread once the main thread has run torch
+  (each calling thread gets its own OpenMP team; past one team per core libgomp stops spin-waiting): why
+  serve.py drives its engine on the main thread (jobs/serve_engine.py).
 
 Each time is the minimum over ``--reps`` calls, taken in ``--rounds`` interleaved rounds (the machine's load comes
 and goes; the minimum is the figure least disturbed by it).
@@ -15,6 +18,7 @@ and goes; the minimum is the figure least disturbed by it).
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from types import SimpleNamespace
 
@@ -92,6 +96,38 @@ def bench_attention(args: argparse.Namespace) -> None:
         print(f"{batch:>6}{queries:>9}{keys:>7}{a:>12.1f}{b:>10.1f}{a / b:>7.2f}x{diff:>10.1e}")
 
 
+def _thread_ops() -> dict:
+    x, w, big = torch.randn(128, 256), torch.randn(1024, 256), torch.randn(256, 4096)
+    return {"linear 128x256 @ 256x1024": lambda: F.linear(x, w),
+            "linear 8x256 @ 256x1024": lambda: F.linear(x[:8], w),
+            "softmax 256x4096": lambda: torch.softmax(big, -1), "add 256x4096": lambda: big + 1.0}
+
+
+def bench_threads(args: argparse.Namespace) -> None:
+    print(f"\nsmall ops back to back on the main thread vs a second thread ({torch.get_num_threads()} torch "
+          "threads), us per call (best round)")
+    print(f"{'op':>28}{'main':>9}{'second':>9}{'ratio':>8}")
+    ops, times = _thread_ops(), {}
+
+    def time_ops(where: str) -> None:  # back to back, as in a forward: the mean call of a run of them
+        for name, fn in ops.items():
+            fn()
+            start = time.perf_counter()
+            for _ in range(args.reps * 10):
+                fn()
+            mean = (time.perf_counter() - start) / (args.reps * 10) * 1e6
+            times[(name, where)] = min(times.get((name, where), float("inf")), mean)
+
+    for _ in range(args.rounds):  # interleaved: the machine's load drifts
+        time_ops("main")
+        worker = threading.Thread(target=time_ops, args=("second",))
+        worker.start()
+        worker.join()
+    for name in ops:
+        main_us, second_us = times[(name, "main")], times[(name, "second")]
+        print(f"{name:>28}{main_us:>9.1f}{second_us:>9.1f}{second_us / main_us:>7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=256)
@@ -106,6 +142,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     bench_projections(args)
     bench_attention(args)
+    bench_threads(args)
 
 
 if __name__ == "__main__":

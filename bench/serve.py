@@ -10,15 +10,20 @@ clients, each sending streaming chat requests (raw SSE over HTTP) for the next p
 Responses have a fixed length (no stop tokens) so every variant generates the same number of tokens; greedy.
 Per level: tokens/s over the level's wall time, and per request p50 / p95 of the time to the first streamed text
 and to the end (of the round with the best throughput; ``--rounds`` interleaved rounds, best of each variant).
-Then the ratios against offline batch and against one client. The clients run in their own process (one event
-loop), as real clients do, so their HTTP and JSON work never holds the server's interpreter lock; on a small
-machine they still share its cores (clients elsewhere would not).
+Then the ratios against offline batch and against one client.
+
+Three processes, as in use: the server (the engine driven on its main thread, HTTP on another, as serve.py runs
+them), the clients (one event loop; their HTTP and JSON work never holds the server's interpreter lock) and this
+one, which runs the offline baseline with no server inside it (an idle engine thread in the same process made
+offline ``generate`` up to 1.5x slower on 2 cores: see jobs/serve_engine.py on OpenMP teams). On a small machine
+the clients still share the server's cores (clients elsewhere would not).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import statistics
@@ -104,6 +109,46 @@ def served(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
             "ttft_p95": _pct(ttft, 95), "end_p50": _pct(total, 50), "end_p95": _pct(total, 95)}
 
 
+def _server_process(args, params: SamplingParams, max_batch: int, conn) -> None:
+    """The server: the bench model behind serve.py's app; the engine runs on this process's main thread until the
+    parent sends anything (or goes away)."""
+    import threading
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    adapter = build_adapter(args.preset, args.device, getattr(torch, args.dtype), args.block_size)
+    engine = ServeEngine(adapter, params, max_batch=max_batch, max_queue=4 * max_batch, driver_thread=False)
+
+    def stop_when_told() -> None:
+        with contextlib.suppress(EOFError):
+            conn.recv()
+        engine.close()
+
+    with background_server(build_app(engine, "bench")) as url:
+        conn.send(url)
+        threading.Thread(target=stop_when_told, daemon=True).start()
+        engine.run()
+
+
+@contextlib.contextmanager
+def server_process(args, params: SamplingParams, max_batch: int):
+    """A server process for the bench model; yields its base URL."""
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_server_process, args=(args, params, max_batch, theirs), daemon=True)
+    proc.start()
+    try:
+        if not mine.poll(300):
+            raise RuntimeError(f"the server process did not start (exit {proc.exitcode})")
+        yield mine.recv()
+    finally:
+        with contextlib.suppress(OSError):
+            mine.send("stop")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
 def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
@@ -129,19 +174,15 @@ def main() -> None:
                             max_active=args.prompts)
     prompts = prompts_for(args.prompts)
     levels = [int(c) for c in args.clients.split(",")]
-    engine = ServeEngine(adapter, params, max_batch=max(levels + [args.prompts]), max_queue=4 * args.prompts)
     batch_runs, loop_runs, level_runs = [], [], {c: [] for c in levels}
-    try:
-        with background_server(build_app(engine, "bench")) as url:
-            offline(adapter, prompts, params, len(prompts))  # warm-up: every batch shape once
-            served(url, prompts, max(levels), args.max_tokens)
-            for _ in range(args.rounds):  # interleaved rounds, best of each: the machine's load drifts
-                batch_runs.append(offline(adapter, prompts, params, len(prompts)))
-                loop_runs.append(offline(adapter, prompts, params, 1))
-                for c in levels:
-                    level_runs[c].append(served(url, prompts, c, args.max_tokens))
-    finally:
-        engine.close()
+    with server_process(args, params, max(levels + [args.prompts])) as url:
+        offline(adapter, prompts, params, len(prompts))  # warm-up: every batch shape once
+        served(url, prompts, max(levels), args.max_tokens)
+        for _ in range(args.rounds):  # interleaved rounds, best of each: the machine's load drifts
+            batch_runs.append(offline(adapter, prompts, params, len(prompts)))
+            loop_runs.append(offline(adapter, prompts, params, 1))
+            for c in levels:
+                level_runs[c].append(served(url, prompts, c, args.max_tokens))
     batch_tok_s, loop_tok_s = max(batch_runs), max(loop_runs)
     rows = [max(level_runs[c], key=lambda r: r["tok_s"]) for c in levels]
     print(f"\n{args.prompts} prompts x {args.max_tokens} tokens, {args.preset}, block {args.block_size}, "

@@ -9,7 +9,8 @@ stream_options``, plus ``top_k`` and the dLLM settings (the openai client sends 
 (each choice also carries ``token_ids`` and ``step_map``: the step at which each token was committed, to replay
 the decoding order). Unset fields take the server's ``rollout`` settings. Errors have OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (named in ``param`` and the message),
-401 without the API key, 404 for an unknown model, 503 when the queue is full, 500 when sampling failed.
+401 without the API key, 404 for an unknown model, 503 when the queue is full, 500 when sampling failed or the
+server shut down.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ async def _events(http: Request, req: EngineRequest) -> AsyncIterator[tuple[str,
                 continue
             event, getter = getter.result(), None
             if event[0] == "error":
-                raise RequestError(500, f"sampling failed: {event[2]}")
+                raise RequestError(500, event[2])
             remaining -= event[0] == "done"
             yield event
     finally:
@@ -349,11 +350,14 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 
 @contextmanager
-def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Run ``app`` with uvicorn in a thread (tests, benchmarks); yields its base URL, stops on exit."""
+def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                      sock: socket.socket | None = None) -> Iterator[str]:
+    """Run ``app`` with uvicorn in a thread on ``sock`` (default: a new one on host:port); yields its base URL,
+    stops on exit (connections still open get up to 10 s)."""
     import uvicorn
 
-    sock = bind(host, port)
+    sock = sock or bind(host, port)
+    host = sock.getsockname()[0]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -362,7 +366,7 @@ def background_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> I
             raise RuntimeError("the server thread stopped during start-up")
         time.sleep(0.01)
     try:
-        yield f"http://{host}:{sock.getsockname()[1]}"
+        yield f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
@@ -385,9 +389,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run_serve(cfg: Any) -> None:
-    """serve.py: load the model, print the address, serve until interrupted."""
-    import uvicorn
-
+    """serve.py: load the model, print the address, serve until interrupted. The engine runs on this (the main)
+    thread, the HTTP server on another (see jobs/serve_engine.py on OpenMP teams)."""
     from jobs.demo import ensure_demo_model
     from jobs.dist import default_device
     from jobs.rollout import check_for_model
@@ -400,17 +403,21 @@ def run_serve(cfg: Any) -> None:
     check_for_model("rollout", cfg.rollout, adapter)
     name = cfg.server.model_name or _folder_name(cfg.model.pretrained_model)
     engine = ServeEngine(adapter, cfg.rollout, cfg.server.max_batch, cfg.server.max_queue,
-                         cfg.server.max_prompt_tokens)
+                         cfg.server.max_prompt_tokens, driver_thread=False)
     sock = bind(cfg.server.host, cfg.server.port)
-    host, port = sock.getsockname()[:2]
-    print(f"serving {name!r} ({adapter.model_base}, {adapter.attention} attention) at http://{host}:{port}/v1 "
-          f"(max_batch {cfg.server.max_batch}, max_queue {cfg.server.max_queue}"
-          f"{', API key required' if cfg.server.api_key else ''}); Ctrl-C stops", flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(build_app(engine, name, cfg.server.api_key), log_level="warning")).run(
-            sockets=[sock])
+        with background_server(build_app(engine, name, cfg.server.api_key), sock=sock) as url:
+            print(f"serving {name!r} ({adapter.model_base}, {adapter.attention} attention) at {url}/v1 "
+                  f"(max_batch {cfg.server.max_batch}, max_queue {cfg.server.max_queue}"
+                  f"{', API key required' if cfg.server.api_key else ''}); Ctrl-C stops", flush=True)
+            try:
+                engine.run()  # until Ctrl-C / SIGTERM (run_job's handler) interrupts it
+            except KeyboardInterrupt as err:
+                err.detail = "the server stopped; requests still open got an error event"
+                raise
+            finally:
+                engine.close()  # open requests end with an error event, so the HTTP server can stop
     finally:
-        engine.close()
         sock.close()
 
 

@@ -1,11 +1,19 @@
-"""The serving engine: one driver thread steps the samplers; HTTP handlers submit and cancel requests between steps.
+"""The serving engine: one driver steps the samplers; HTTP handlers submit and cancel requests between steps.
 
 Threads. HTTP handlers run on the server's event loop; they call :meth:`ServeEngine.submit` and
 :meth:`ServeEngine.cancel`, which only touch queues under a lock. One driver thread owns the models' work: between
 two steps it moves submitted sequences into their engine's waiting queue (``sample.engine.Engine``: admitted
 while the batch has room) and removes cancelled ones; then it runs one step of every busy engine and posts
-what became final to each request's ``asyncio.Queue`` (``loop.call_soon_threadsafe``). A disconnected client
-cancels its request, so its rows leave the batch before the next step.
+what became final to each request's ``asyncio.Queue`` (one ``loop.call_soon_threadsafe`` per step carries all
+of the step's events). A disconnected client cancels its request, so its rows leave the batch before the next
+step.
+
+On CPU the driver belongs on the process's main thread, where the model was loaded (``run``; serve.py does
+this and runs the HTTP server on a thread): torch's ops run on OpenMP thread teams, one per thread that calls
+them, and once the process manages more OpenMP threads than it has cores, libgomp cuts its workers' spin-wait
+short, so every parallel op wakes them from sleep. On 2 cores a second team made small ops back to back 1.1-2.5x
+slower than on the main thread (``python -m bench.cpu_kernels``). Tests and benchmarks that need the calling
+thread keep the default: a driver thread.
 
 Per-request settings. A sampler runs one ``SamplingParams`` for its whole batch (one temperature, block size,
 strategy, seed, stop set), so requests are grouped by their settings: each group is one sampler + engine and the
@@ -160,9 +168,6 @@ class Request:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    def post(self, kind: str, index: int | None, payload: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the handler's loop is closed (shutting down): nobody listens
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, index, payload))
 
 
 @dataclass
@@ -183,7 +188,7 @@ class ServeEngine:
     """Runs requests on one adapter with one driver thread; see the module docstring."""
 
     def __init__(self, adapter: Any, defaults: SamplingParams, max_batch: int = 32, max_queue: int = 256,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, driver_thread: bool = True):
         self.adapter, self.defaults = adapter, defaults
         self.max_batch, self.max_queue, self.max_prompt_tokens = max_batch, max_queue, max_prompt_tokens
         self.limit = getattr(adapter.model.config, "max_position_embeddings", None)
@@ -191,10 +196,13 @@ class ServeEngine:
         self._groups: dict[tuple, _Group] = {}
         self._choices: dict[int, Choice] = {}  # live sequences by engine sequence id
         self._cancels: list[int] = []
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}  # events to hand over
         self._ids = itertools.count()
         self._closed = False
-        self._thread = threading.Thread(target=self._drive, name="serve-driver", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if driver_thread:  # else the owner calls run() on the thread it wants driving
+            self._thread = threading.Thread(target=self.run, name="serve-driver", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------ handler side (any thread)
 
@@ -248,10 +256,17 @@ class ServeEngine:
             return {"running": running, "waiting": len(self._choices) - running, "groups": len(self._groups)}
 
     def close(self) -> None:
+        """Stop driving; requests still running or waiting end with an error event (their streams close)."""
         with self._cond:
             self._closed = True
+            for choice in self._choices.values():
+                choice.done = True
+                self._post(choice.request, "error", choice.index, "the server is shutting down")
+            self._choices.clear()
+            self._flush()
             self._cond.notify()
-        self._thread.join(timeout=30)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def _group_key(self, params: SamplingParams) -> tuple[tuple, SamplingParams]:
         """Settings that must be equal within a batch, and the group sampler's params."""
@@ -280,7 +295,8 @@ class ServeEngine:
 
     # ------------------------------------------------------------ driver thread
 
-    def _drive(self) -> None:
+    def run(self) -> None:
+        """Drive the engine on the calling thread until ``close``."""
         with torch.inference_mode(), packed_projections(self.adapter.model):
             while True:
                 with self._cond:
@@ -319,7 +335,7 @@ class ServeEngine:
             finished = group.engine.step()
         except Exception as err:  # noqa: BLE001 - a failing batch fails its requests, never the server
             traceback.print_exc()
-            self._fail(group, f"{type(err).__name__}: {err}")
+            self._fail(group, f"sampling failed: {type(err).__name__}: {err}")
             return
         with self._cond:
             for done in finished:
@@ -327,6 +343,7 @@ class ServeEngine:
                 if choice is not None:
                     self._finish(choice, done)
             stopped = self._stream_committed(group)
+            self._flush()
         for seq_id in stopped:
             group.engine.cancel(seq_id)
 
@@ -339,7 +356,7 @@ class ServeEngine:
                 continue
             delta, hit = choice.stream.update(ids)
             if delta and choice.request.stream:
-                choice.request.post("text", choice.index, delta)
+                self._post(choice.request, "text", choice.index, delta)
             if hit:
                 self._choices.pop(seq_id)
                 logps = next(r.logprobs for r in group.engine.sampler.running if r.seq.index == seq_id)
@@ -356,14 +373,14 @@ class ServeEngine:
             return
         req = choice.request
         if delta and req.stream:
-            req.post("text", choice.index, delta)
+            self._post(req, "text", choice.index, delta)
         result = ChoiceResult(text, "stop" if ends_with_stop else "length", len(done.response))
         if req.step_map:
             result.token_ids, result.step_map = list(done.response), list(done.steps)
         if req.logprobs:
             result.logprobs = list(zip(ids, done.logprobs, strict=False))
         choice.done = True
-        req.post("done", choice.index, result)
+        self._post(req, "done", choice.index, result)
 
     def _finish_at_stop(self, choice: Choice, ids: list[int], logps: list[float], hit: tuple[int, int],
                         text: str | None = None, delta: str = "") -> None:
@@ -373,13 +390,25 @@ class ServeEngine:
             text, delta, _ = choice.stream.finish(ids)
         req = choice.request
         if delta and req.stream:
-            req.post("text", choice.index, delta)
+            self._post(req, "text", choice.index, delta)
         result = ChoiceResult(text, "stop", choice.stream.tokens_through(ids, hit[1]))
         if req.logprobs:
             kept = choice.stream.tokens_through(ids, len(text)) if text else 0
             result.logprobs = list(zip(ids[:kept], logps, strict=False))
         choice.done = True
-        req.post("done", choice.index, result)
+        self._post(req, "done", choice.index, result)
+
+    def _post(self, req: Request, kind: str, index: int | None, payload: Any) -> None:
+        """(Lock held.) Queue an event for the request's handler; ``_flush`` hands the step's events over."""
+        self._outbox.setdefault(req.loop, []).append((req.queue, (kind, index, payload)))
+
+    def _flush(self) -> None:
+        """(Lock held.) Hand the queued events to their event loops: one wake-up per loop and step, not one per
+        event (each wakes the HTTP thread, which then competes with the driver for the interpreter lock)."""
+        for loop, events in self._outbox.items():
+            with contextlib.suppress(RuntimeError):  # the handler's loop is closed (shutting down): nobody listens
+                loop.call_soon_threadsafe(_deliver, events)
+        self._outbox = {}
 
     def _fail(self, group: _Group, message: str) -> None:
         """Every sequence of a group whose step raised gets an error; the group is rebuilt on the next request."""
@@ -388,9 +417,16 @@ class ServeEngine:
                 choice = self._choices.pop(seq.index, None)
                 if choice is not None:
                     choice.done = True
-                    choice.request.post("error", choice.index, message)
+                    self._post(choice.request, "error", choice.index, message)
+            self._flush()
             if self._groups.get(group.key) is group:
                 group.engine = self._new_group(group.key, group.params).engine
+
+
+def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
+    """(On the handlers' event loop.) Put each event into its request's queue."""
+    for queue, event in events:
+        queue.put_nowait(event)
 
 
 def _hashable(value: Any) -> Any:

@@ -9,9 +9,9 @@ its place; a row that goes on opens its next block, and the finished block is st
 that forward runs [finished block, next block] in the row, storing the finished block's K/V and denoising the next
 block, which sees the finished block exactly as a separate commit pass would have stored it (the reference engine
 spends one extra forward per block on that commit: 5 forwards per block at 4 steps instead of 4). Fusing widens
-every row of that forward to 2 blocks, which only pays while the forward is overhead-bound or every row carries a
+every row of that forward to 2 blocks, which only pays while the forward is overhead-bound or most rows carry a
 block; otherwise the finished block rides alone in its row (stored; that row skips denoising for one step), as in
-the reference engine (``FUSE_MAX_TOKENS``).
+the reference engine (``FUSE_MAX_TOKENS``, ``FUSE_CARRYING_SHARE``).
 
 ``cache="none"`` is the slow reference path: every step recomputes each row's whole sequence with the
 block-causal layout (the baseline of the cache-equality test and of the benchmark).
@@ -43,7 +43,34 @@ PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
 # thousand tokens costs about what one of a few tokens does (weights dominate), a CPU one is compute-bound past a
 # few dozen (bench/sampler.py: at batch 32 on 2 cores, always fusing is 0.74x).
 FUSE_MAX_TOKENS = {"cuda": 8192, "cpu": 64}
+# Fused also when at least this share of the rows carries a finished block. Rows out of phase (a request that
+# joined a server's batch a step after the others) otherwise settle into taking turns: the carriers store their
+# block alone while the others denoise, then the other way round, 5 forwards per block for the whole batch at 4
+# steps. Fusing when most rows carry pads the few that do not and puts them back in phase.
+FUSE_CARRYING_SHARE = 0.5
 REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a repack
+
+
+# The batch's device-side state, one row per running sequence: name -> ("block": [R, b] | "row": [R], dtype).
+# New rows start at zero except the opening block's tokens / masks / start (``_append_rows``).
+_ROW_STATE: dict[str, tuple[str, torch.dtype]] = {
+    "tokens": ("block", torch.long),  # the active block (mask ids where not decoded yet)
+    "masked": ("block", torch.bool),
+    "start": ("row", torch.long),  # absolute position of the active block
+    "t_block": ("row", torch.long),  # steps taken on the active block (its schedule's index)
+    "counter": ("row", torch.long),  # the row's denoising steps so far (the step map's clock)
+    "rec_step": ("block", torch.long),  # per position of the block: step, log-prob, confidence of its last write
+    "rec_logp": ("block", torch.float32),
+    "rec_conf": ("block", torch.float32),
+    "carry": ("block", torch.long),  # finished blocks whose K/V are not stored yet
+    "carrying": ("row", torch.bool),
+    # token editing: response positions of the block (not the prompt tail), writes replaced per position,
+    # forwards since the block's last mask, and whether the last step rewrote anything
+    "editable": ("block", torch.bool),
+    "rec_rewrites": ("block", torch.long),
+    "post": ("row", torch.long),
+    "edited": ("row", torch.bool),
+}
 
 
 @dataclass
@@ -196,23 +223,9 @@ class BlockSampler:
         self._init_batch()
 
     def _init_batch(self) -> None:
-        dev, b = self.device, self.b
-        self.tokens = torch.empty(0, b, dtype=torch.long, device=dev)
-        self.masked = torch.empty(0, b, dtype=torch.bool, device=dev)
-        self.start = torch.empty(0, dtype=torch.long, device=dev)
-        self.t_block = torch.empty(0, dtype=torch.long, device=dev)
-        self.counter = torch.empty(0, dtype=torch.long, device=dev)
-        self.rec_step = torch.empty(0, b, dtype=torch.long, device=dev)
-        self.rec_logp = torch.empty(0, b, dtype=torch.float32, device=dev)
-        self.rec_conf = torch.empty(0, b, dtype=torch.float32, device=dev)
-        self.carry = torch.empty(0, b, dtype=torch.long, device=dev)  # finished blocks whose K/V are not stored yet
-        self.carrying = torch.empty(0, dtype=torch.bool, device=dev)
-        # token editing: response positions of the block (not the prompt tail), writes replaced per position,
-        # forwards since the block's last mask, and whether the last step rewrote anything
-        self.editable = torch.empty(0, b, dtype=torch.bool, device=dev)
-        self.rec_rewrites = torch.empty(0, b, dtype=torch.long, device=dev)
-        self.post = torch.empty(0, dtype=torch.long, device=dev)
-        self.edited = torch.empty(0, dtype=torch.bool, device=dev)
+        for name, (per_row, dtype) in _ROW_STATE.items():
+            setattr(self, name, torch.empty(0, *((self.b,) if per_row == "block" else ()), dtype=dtype,
+                                            device=self.device))
 
     def check_prompt(self, index: int, prompt: list[int]) -> int:
         """The response budget of a prompt; a clear error when it leaves no room below the position limit."""
@@ -249,21 +262,13 @@ class BlockSampler:
     def _append_rows(self, blocks: list[list[int]], starts: list[int], tails: list[int]) -> None:
         dev, n = self.device, len(blocks)
         masked = torch.arange(self.b, device=dev)[None, :] >= torch.tensor(tails, device=dev)[:, None]
-        zeros = torch.zeros(n, dtype=torch.long, device=dev)
-        self.tokens = torch.cat([self.tokens, torch.tensor(blocks, dtype=torch.long, device=dev)])
-        self.masked = torch.cat([self.masked, masked])
-        self.start = torch.cat([self.start, torch.tensor(starts, dtype=torch.long, device=dev)])
-        self.t_block = torch.cat([self.t_block, zeros])
-        self.counter = torch.cat([self.counter, zeros])
-        self.rec_step = torch.cat([self.rec_step, torch.zeros(n, self.b, dtype=torch.long, device=dev)])
-        self.rec_logp = torch.cat([self.rec_logp, torch.zeros(n, self.b, device=dev)])
-        self.rec_conf = torch.cat([self.rec_conf, torch.zeros(n, self.b, device=dev)])
-        self.carry = torch.cat([self.carry, torch.zeros(n, self.b, dtype=torch.long, device=dev)])
-        self.carrying = torch.cat([self.carrying, torch.zeros(n, dtype=torch.bool, device=dev)])
-        self.editable = torch.cat([self.editable, masked])
-        self.rec_rewrites = torch.cat([self.rec_rewrites, torch.zeros(n, self.b, dtype=torch.long, device=dev)])
-        self.post = torch.cat([self.post, zeros])
-        self.edited = torch.cat([self.edited, torch.zeros(n, dtype=torch.bool, device=dev)])
+        opening = {"tokens": torch.tensor(blocks, dtype=torch.long, device=dev), "masked": masked,
+                   "editable": masked, "start": torch.tensor(starts, dtype=torch.long, device=dev)}
+        for name, (per_row, dtype) in _ROW_STATE.items():
+            new = opening.get(name)
+            if new is None:
+                new = torch.zeros(n, *((self.b,) if per_row == "block" else ()), dtype=dtype, device=dev)
+            setattr(self, name, torch.cat([getattr(self, name), new]))
 
     # ------------------------------------------------------------ one denoising step
 
@@ -275,7 +280,8 @@ class BlockSampler:
         logprob / confidence recorded; finished blocks carried from the last step are stored by this forward."""
         carry = self.n_carrying > 0
         rows = len(self.running)
-        fused = self.n_carrying == rows or 2 * self.b * rows <= self.fuse_max_tokens
+        fused = (self.n_carrying >= FUSE_CARRYING_SHARE * rows or self.n_carrying == rows
+                 or 2 * self.b * rows <= self.fuse_max_tokens)
         hidden = self.runner.step(self.tokens, self._positions(), self.carry if carry else None,
                                   self.carrying if carry else None, fused)
         self.stats.denoise_forwards += 1
@@ -406,8 +412,7 @@ class BlockSampler:
         keep_list = [i for i in range(len(self.running)) if i not in gone]
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
         self.running = [self.running[i] for i in keep_list]
-        for name in ("tokens", "masked", "start", "t_block", "counter", "rec_step", "rec_logp", "rec_conf", "carry",
-                     "carrying", "editable", "rec_rewrites", "post", "edited"):
+        for name in _ROW_STATE:
             setattr(self, name, getattr(self, name)[keep])
         if keep_list:
             self.runner.keep(keep)

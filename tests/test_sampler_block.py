@@ -67,6 +67,8 @@ def test_finished_blocks_stored_fused_or_riding_alone_give_the_no_cache_tokens(s
     from sample import block_sampler
 
     monkeypatch.setattr(block_sampler, "FUSE_MAX_TOKENS", {"cpu": fuse_max_tokens, "cuda": fuse_max_tokens})
+    # 0: a finished block rides alone unless every row carries one
+    monkeypatch.setattr(block_sampler, "FUSE_CARRYING_SHARE", 0.5 if fuse_max_tokens else 2.0)
     prompts = prompts_of()
     params = _greedy(max_active=3, remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.5)
     cached = generate(sdar, prompts, params, progress=False)
@@ -231,6 +233,8 @@ def test_lm_head_on_masked_positions_only_gives_the_tokens_of_a_head_everywhere(
     from sample.strategies import draw_tokens
 
     monkeypatch.setattr(block_sampler, "FUSE_MAX_TOKENS", {"cpu": fuse_max_tokens, "cuda": fuse_max_tokens})
+    # 0: a finished block rides alone unless every row carries one
+    monkeypatch.setattr(block_sampler, "FUSE_CARRYING_SHARE", 0.5 if fuse_max_tokens else 2.0)
     prompts = prompts_of()
     p = SamplingParams(**{**dict(max_tokens=14, stop_token_ids=[], ignore_eos=True, max_active=3), **params})
     heads = []

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx2 as httpx
 import openai
@@ -18,6 +23,7 @@ from sample.compat import block_diffusion_generate
 from sample.generate import generate
 from sample.params import SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = dict(max_tokens=16, temperature=0.0, block_size=4, denoising_steps=4,
                 remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.9)
 QUESTIONS = [f"What is {a} + {b}?" for a in range(4) for b in range(4)]
@@ -312,3 +318,35 @@ def test_serve_entry_reports_config_errors_in_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         serve.main(["config=configs/demo/serve_demo.yaml", "server.port=-1"])
     assert exit_.value.code == 2 and "server.port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_py_answers_then_stops_on_a_signal_and_ends_open_streams(tmp_path, sdar, sig):
+    """serve.py as users run it: the engine on the main thread, HTTP on another. It answers; a signal during an
+    open stream ends that stream with an error event and the process exits with the signal's code and one line."""
+    sdar.model.save_pretrained(tmp_path / "tiny")
+    sdar.tokenizer.save_pretrained(tmp_path / "tiny")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "serve.py", "config=configs/demo/serve_demo.yaml", f"model.pretrained_model={tmp_path}/tiny",
+           "server.port=0", "rollout.ignore_eos=true", "rollout.stop_token_ids=[]"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # nohup: inherited ignored
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving"), line + proc.stderr.read()
+        url = line.split(" at ")[1].split()[0]
+        client = openai.OpenAI(base_url=url, api_key="none")
+        done = client.completions.create(model="tiny", prompt="What is 2 + 3?", max_tokens=8, temperature=0.0)
+        assert done.usage.completion_tokens == 8 and done.choices[0].finish_reason == "length"
+        with httpx.stream("POST", f"{url}/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "Count.", "max_tokens": 4000, "stream": True}) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")  # the stream is open and producing
+            proc.send_signal(sig)
+            rest = [ln for ln in lines if ln]
+        assert any('"the server is shutting down"' in ln for ln in rest), rest[-3:]
+        assert proc.wait(timeout=30) == (130 if sig == signal.SIGINT else 143)
+        assert "the server stopped" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
