@@ -18,10 +18,10 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from models.common import AttentionLayout, KVCache
-from models.dream import DreamConfig, DreamModel
+from models.dream import DreamBaseModel, DreamConfig, DreamModel
 from models.errors import ModelLoadError
 from models.kinds import ATTENTION_OF
-from models.llada import LLaDAConfig, LLaDAModelLM, MMadaConfig, MMadaModelLM
+from models.llada import LLaDAConfig, LLaDAModel, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM
 from models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM
 from models.sdar import SDARConfig, SDARForCausalLM, SDARModel
@@ -36,6 +36,7 @@ class FamilySpec:
     attention: str  # "block" | "full"
     shift_logits: bool
     turn_end: str  # token closing an assistant turn (a natural stop token)
+    backbone_class: type  # the model without its LM head: what the value model puts its value head on
     # LoRA's default targets (lora.target_modules: null): the attention and MLP projections, by the family's own
     # module names (a name matches every layer's module of that name; the LM head is never a default target)
     lora_targets: tuple[str, ...] = ()
@@ -46,20 +47,23 @@ _LLADA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj"
 _LLADA2_TARGETS = ("query_key_value", "dense", "gate_proj", "up_proj", "down_proj")
 
 FAMILIES: dict[str, FamilySpec] = {
-    "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["trado"], False, "<|im_end|>", _QWEN_TARGETS),
-    "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["sdar"], False, "<|im_end|>", _QWEN_TARGETS),
+    "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["trado"], False, "<|im_end|>", SDARModel,
+                        _QWEN_TARGETS),
+    "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["sdar"], False, "<|im_end|>", SDARModel,
+                       _QWEN_TARGETS),
     "sdar_moe": FamilySpec("sdar", ("sdar_moe",), SDARMoeForCausalLM, ATTENTION_OF["sdar_moe"], False,
-                        "<|im_end|>", _QWEN_TARGETS),
+                           "<|im_end|>", SDARMoeModel, _QWEN_TARGETS),
     "dream": FamilySpec("dream", ("Dream", "dream"), DreamModel, ATTENTION_OF["dream"], True,
-                        "<|im_end|>", _QWEN_TARGETS),
-    "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, ATTENTION_OF["llada"], False, "<|eot_id|>", _LLADA_TARGETS),
+                        "<|im_end|>", DreamBaseModel, _QWEN_TARGETS),
+    "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, ATTENTION_OF["llada"], False, "<|eot_id|>", LLaDAModel,
+                        _LLADA_TARGETS),
     "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, ATTENTION_OF["mmada"], False,
-                        "<|eot_id|>", _LLADA_TARGETS),
+                        "<|eot_id|>", LLaDAModel, _LLADA_TARGETS),
     "llada2": FamilySpec("llada2", ("llada2_moe",), LLaDA2MoeModelLM, ATTENTION_OF["llada2"], False, "<|role_end|>",
-                         _LLADA2_TARGETS),
+                         LLaDA2MoeModel, _LLADA2_TARGETS),
     # the hub config says model_type "llada", as dense LLaDA's: load_model tells them apart (is_llada_moe)
     "llada_moe": FamilySpec("llada", ("lladamoe", "llada"), LLaDAMoEModelLM, ATTENTION_OF["llada_moe"], False,
-                            "<|role_end|>", _QWEN_TARGETS),
+                            "<|role_end|>", LLaDAMoEModel, _QWEN_TARGETS),
 }
 
 

@@ -20,20 +20,22 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 
 from models.base import full_weights
 from models.common import AttentionLayout
-from models.dream import DreamBaseModel, DreamConfig
-from models.llada import LLaDAConfig, LLaDAModel, MMadaConfig
-from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModel
-from models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel
-from models.sdar import SDARConfig, SDARModel
-from models.sdar_moe import SDARMoeConfig, SDARMoeModel
+from models.registry import FAMILIES
 
-# model_type of a policy config -> (config class, backbone class)
-BACKBONES: dict[str, tuple[type, type]] = {
-    "sdar": (SDARConfig, SDARModel), "Dream": (DreamConfig, DreamBaseModel), "dream": (DreamConfig, DreamBaseModel),
-    "llada": (LLaDAConfig, LLaDAModel), "mmada": (MMadaConfig, LLaDAModel),
-    "sdar_moe": (SDARMoeConfig, SDARMoeModel), "llada2_moe": (LLaDA2MoeConfig, LLaDA2MoeModel),
-    "lladamoe": (LLaDAMoEConfig, LLaDAMoEModel),
-}
+
+def _backbones() -> dict[str, tuple[type, type]]:
+    """model_type of a policy config -> (config class, backbone class), from the family table: each family's own
+    spellings of its config's model_type (not a model_type it only accepts at load, as MMaDA accepts "llada")."""
+    out = {}
+    for spec in FAMILIES.values():
+        config_class = spec.model_class.config_class
+        for model_type in spec.model_types:
+            if model_type.lower() == config_class.model_type.lower():
+                out[model_type] = (config_class, spec.backbone_class)
+    return out
+
+
+BACKBONES = _backbones()
 
 
 class ValueConfig(PretrainedConfig):

@@ -56,3 +56,12 @@ class DreamConfig(PretrainedConfig):
                        "attn_implementation"):
             kwargs.pop(unused, None)  # hub keys we do not use (no sliding window, no rope scaling in Dream)
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @classmethod
+    def tiny(cls, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, block_size: int,
+             **ids: int) -> DreamConfig:
+        """A small config of this family for tests, demos and benchmarks (``models.tiny``); ``ids``: the special
+        token ids (mask, pad, eos) of the tokenizer it is built for."""
+        return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                   rope_theta=10000.0, **ids)

@@ -81,6 +81,15 @@ class LLaDAConfig(PretrainedConfig):
         super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id, tie_word_embeddings=weight_tying,
                          **kwargs)
 
+    @classmethod
+    def tiny(cls, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, block_size: int,
+             **ids: int) -> LLaDAConfig:
+        """A small config of this family for tests, demos and benchmarks (``models.tiny``); ``ids``: the special
+        token ids (mask, pad, eos) of the tokenizer it is built for."""
+        # full attention: no block size
+        return cls(d_model=hidden, n_heads=heads, n_kv_heads=kv_heads, n_layers=layers, mlp_hidden_size=mlp,
+                   vocab_size=vocab, embedding_size=vocab, max_sequence_length=4096, **ids)
+
 
 class MMadaConfig(LLaDAConfig):
     """MMaDA's text model: LLaDA's architecture and parameter names (Gen-Verse/dLLM-RL

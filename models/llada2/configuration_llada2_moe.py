@@ -115,3 +115,14 @@ class LLaDA2MoeConfig(PretrainedConfig):
         kwargs.pop("attn_implementation", None)  # we pick the attention kernel via attn_backend
         super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @classmethod
+    def tiny(cls, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, block_size: int,
+             **ids: int) -> LLaDA2MoeConfig:
+        """A small config of this family for tests, demos and benchmarks (``models.tiny``); ``ids``: the special
+        token ids (mask, pad, eos) of the tokenizer it is built for."""
+        # 8 experts in 4 groups, top-2 from the best 2 groups, one shared expert, a dense first layer
+        return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads, num_experts=8,
+                   num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=mlp // 4,
+                   first_k_dense_replace=1, block_size=block_size, max_position_embeddings=4096, **ids)

@@ -113,3 +113,15 @@ class LLaDAMoEConfig(PretrainedConfig):
         kwargs.pop("attn_implementation", None)  # we pick the attention kernel via attn_backend
         super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @classmethod
+    def tiny(cls, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, block_size: int,
+             **ids: int) -> LLaDAMoEConfig:
+        """A small config of this family for tests, demos and benchmarks (``models.tiny``); ``ids``: the special
+        token ids (mask, pad, eos) of the tokenizer it is built for."""
+        # 8 experts, top-2 (not renormalised), a dense first layer, a shared expert; full attention: no block size
+        return cls(vocab_size=vocab, hidden_size=hidden, dense_intermediate_size=mlp,
+                   expert_intermediate_size=mlp // 4, shared_expert_intermediate_size=mlp // 4,
+                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, num_experts=8,
+                   num_experts_per_tok=2, moe_layer_freq=[0] + [1] * (layers - 1), max_position_embeddings=4096,
+                   **ids)

@@ -62,3 +62,12 @@ class SDARConfig(PretrainedConfig):
         self.attn_backend = attn_backend
         kwargs.pop("attn_implementation", None)  # the hub config says flex_attention; we pick via attn_backend
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @classmethod
+    def tiny(cls, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, block_size: int,
+             **ids: int) -> SDARConfig:
+        """A small config of this family for tests, demos and benchmarks (``models.tiny``); ``ids``: the special
+        token ids (mask, pad, eos) of the tokenizer it is built for."""
+        return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                   block_size=block_size, max_position_embeddings=4096, **ids)

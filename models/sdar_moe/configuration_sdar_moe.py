@@ -34,3 +34,14 @@ class SDARMoeConfig(SDARConfig):
         self.router_aux_loss_coef = router_aux_loss_coef
         self.output_router_logits = output_router_logits
         super().__init__(**kwargs)
+
+    @classmethod
+    def tiny(cls, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, block_size: int,
+             **ids: int) -> SDARMoeConfig:
+        """A small config of this family for tests, demos and benchmarks (``models.tiny``); ``ids``: the special
+        token ids (mask, pad, eos) of the tokenizer it is built for."""
+        # 8 experts, top-2: small enough for tests, sparse enough to route
+        return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads, num_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=mlp // 4, block_size=block_size,
+                   max_position_embeddings=4096, **ids)
