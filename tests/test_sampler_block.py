@@ -60,6 +60,40 @@ def test_cache_and_no_cache_give_identical_tokens(sdar):
     assert slow.stats.forwards < cached.stats.forwards  # no prefill / commit passes without a cache
 
 
+@pytest.mark.parametrize("share, extra_forwards", [(0.5, 1), (2.0, 5)])
+def test_a_row_that_joins_a_step_late_is_put_back_in_phase(sdar, monkeypatch, share, extra_forwards):
+    """A server admits requests between steps, so a row may start a step after the others. Storing finished blocks
+    fused whenever most rows carry one puts the late row back in phase: the batch costs the one step it started
+    late. Without it (share 2.0: fused only when every row carries) the rows take turns storing their blocks, one
+    extra forward per block (5 blocks here)."""
+    import torch
+
+    from sample import block_sampler
+    from sample.engine import Engine, Sequence
+    from sample.generate import make_sampler
+
+    monkeypatch.setattr(block_sampler, "FUSE_MAX_TOKENS", {"cpu": 0, "cuda": 0})  # rows never fused for being few
+    monkeypatch.setattr(block_sampler, "FUSE_CARRYING_SHARE", share)
+    params = _greedy(max_tokens=20, ignore_eos=True, stop_token_ids=[], remasking_strategy="low_confidence_static")
+    prompt = sdar.tokenizer.encode("What is 1 + 2? Then add 3.")
+    prompt = prompt[: len(prompt) // 4 * 4]  # whole prompt blocks: every block takes its 4 steps
+
+    def forwards(late: int) -> int:
+        sampler = make_sampler(sdar, params, set(), None, torch.Generator().manual_seed(0))
+        engine, done = Engine(sampler, 8), []
+        with torch.inference_mode():
+            for i in range(8):
+                if i == 8 - late:
+                    done += engine.step()  # the others join a step later
+                engine.add(Sequence(i, prompt, 20))
+            while engine.busy:
+                done += engine.step()
+        assert sorted(len(d.response) for d in done) == [20] * 8
+        return sampler.stats.denoise_forwards
+
+    assert forwards(late=7) == forwards(late=0) + extra_forwards
+
+
 @pytest.mark.parametrize("fuse_max_tokens", [0, 10_000])
 def test_finished_blocks_stored_fused_or_riding_alone_give_the_no_cache_tokens(sdar, monkeypatch, fuse_max_tokens):
     """A finished block is stored by the next forward: fused in front of the next block (one forward per block
