@@ -169,7 +169,6 @@ class Request:
         return sum(len(p) for p in self.prompts)
 
 
-
 @dataclass
 class _Group:
     """The sequences of one settings group: a sampler, its engine, and what waits to join it."""
@@ -185,7 +184,8 @@ class _Group:
 
 
 class ServeEngine:
-    """Runs requests on one adapter with one driver thread; see the module docstring."""
+    """Runs requests on one adapter with one driver: its own thread, or (``driver_thread=False``) whichever thread
+    calls ``run``; see the module docstring."""
 
     def __init__(self, adapter: Any, defaults: SamplingParams, max_batch: int = 32, max_queue: int = 256,
                  max_prompt_tokens: int | None = None, driver_thread: bool = True):
