@@ -2,8 +2,9 @@
 outputs and the clipped value loss (only the hooks differ).
 
 A token's value is read at its masked copy in the round where it was decoded: the state just before its decoding
-step (the same row the policy's log-prob of that token comes from). In the value trainer's batches the per-token
-slots ``advantages`` and ``old_logprobs`` carry the returns R and the old values V:
+step (the same row the policy's log-prob of that token comes from). The views' per-token target slot (``advantages``
+for the policy) carries the returns R here, and the old values V (before any update) ride in
+``extra["old_values"]``:
 
     loss = sum_t w_t * 0.5 * max((v - R)^2, (v_clip - R)^2),   v_clip = V + clamp(v - V, -eps, eps)
 
@@ -50,19 +51,21 @@ class ValueTrainer(Trainer):
         return v[mb.rows, mb.token_cols].float()
 
     def compute_old_logprobs(self, plan: Plan) -> dict[str, float]:
-        """Old values (before any update) into the ``old_logprobs`` slot."""
+        """The trainer's hook for old quantities: here the old values (before any update), ``extra["old_values"]``."""
         with torch.no_grad():
             self.model.eval()
             for micro in plan:
                 for mb in micro:
-                    mb.old_logprobs = self.values(self.model, mb).cpu()
+                    # a new dict: a filler micro-batch shares its original's (trainer._equalize)
+                    mb.extra = {**mb.extra, "old_values": self.values(self.model, mb).cpu()}
         return {}
 
     def model_outputs(self, mb: TrainBatch) -> Tensor:
         return self.values(self.model, mb)
 
     def loss(self, mb: TrainBatch, v: Tensor) -> LossOutput:
-        return value_loss(v, mb.old_logprobs, mb.advantages, mb.weights, self.cfg.eps)
+        returns = mb.advantages  # the views' per-token target: the returns, for a value model
+        return value_loss(v, mb.extra["old_values"], returns, mb.weights, self.cfg.eps)
 
     def token_values(self, trajectories: Sequence[Trajectory]) -> dict[str, Tensor]:
         """Per sample id, the value of every response token at the state before its decoding step (NaN for tokens
