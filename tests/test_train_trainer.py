@@ -258,3 +258,48 @@ def test_larger_sampling_block_trains_on_its_own_blocks(tiny, demo_tokenizer, la
     assert max(len(v) for v in blocks_of.values()) > 4  # impossible with 4-token blocks at one token per step
     assert batch.exact and batch.num_tokens == sum(len(t.response_ids) for t in trajs)
     torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
+
+
+def _numbered(n: int, group_size: int):
+    from sample.trajectory import Trajectory
+
+    return [Trajectory(prompt_ids=[1], response_ids=[2], step_map=[1], logprobs=[0.0], sample_id=f"s{i}",
+                       group_id=f"g{i // group_size}") for i in range(n)]
+
+
+@pytest.mark.parametrize("n, world, per_step", [(13, 1, None), (13, 2, None), (13, 2, 3), (16, 3, 2)])
+def test_samples_are_dealt_round_robin_and_cut_into_equal_step_counts(n, world, per_step):
+    """Sample by sample (every algorithm but the pairwise ones): the shuffled order dealt round robin, each
+    process's share cut into consecutive steps of ``samples_per_step``, the same step count everywhere."""
+    from train.trainer import shard_steps
+
+    trajs = _numbered(n, 4)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
+    per_process = math.ceil(n / world)
+    size = per_step or per_process
+    for rank in range(world):
+        steps = shard_steps(trajs, rank, world, per_step, False, torch.Generator().manual_seed(5))
+        share = [trajs[i] for i in order[rank::world]]
+        assert steps == [share[k * size:(k + 1) * size] for k in range(math.ceil(per_process / size))]
+
+
+@pytest.mark.parametrize("world, per_step", [(1, None), (2, None), (2, 8), (3, 4)])
+def test_pairwise_losses_get_whole_prompt_groups_on_one_process_and_step(world, per_step):
+    """VRPO pairs the responses of a prompt group: a group split over processes or steps loses its pairs."""
+    from train.trainer import shard_steps
+
+    trajs = _numbered(40, 8)  # 5 groups of 8
+    placed = {}
+    counts = set()
+    for rank in range(world):
+        steps = shard_steps(trajs, rank, world, per_step, True, torch.Generator().manual_seed(1))
+        counts.add(len(steps))
+        for k, step in enumerate(steps):
+            for t in step:
+                assert t.sample_id not in placed
+                placed[t.sample_id] = (rank, k, t.group_id)
+    assert len(counts) == 1 and sorted(placed) == sorted(t.sample_id for t in trajs)
+    where = {}
+    for rank, k, group in placed.values():
+        assert where.setdefault(group, (rank, k)) == (rank, k)
+    assert len(where) == 5 and len({rank for rank, _ in where.values()}) == min(world, 5)

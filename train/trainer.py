@@ -48,6 +48,34 @@ class NonFiniteError(UserError):
 Plan = list[list[TrainBatch]]  # optimiser steps -> micro-batches
 
 
+def shard_steps(trajectories: Sequence[Trajectory], rank: int, world: int, samples_per_step: int | None,
+                whole_groups: bool, generator: torch.Generator | None) -> list[list[Trajectory]]:
+    """This process's trajectories, cut into its optimiser steps (the same number on every process).
+
+    The unit dealt out is a sample, or with ``whole_groups`` a prompt group (``group_id``): a loss over pairs of a
+    group's responses (VRPO) loses every pair whose two responses land on different processes or steps. Units are
+    shuffled with ``generator`` (None: in order) and dealt round robin; each step takes units while it has room for
+    ``samples_per_step`` samples (default: all of the process's share), a group whole even where it overflows.
+    """
+    units: list[list[Trajectory]] = [[t] for t in trajectories]
+    if whole_groups:
+        by_group: dict[str, list[Trajectory]] = {}
+        for t in trajectories:
+            by_group.setdefault(t.group_id, []).append(t)
+        units = list(by_group.values())
+    order = torch.randperm(len(units), generator=generator) if generator is not None else torch.arange(len(units))
+    mine = [units[i] for i in order[rank::world].tolist()]
+    per_process = math.ceil(len(trajectories) / world)
+    per_step = samples_per_step or per_process
+    steps: list[list[Trajectory]] = [[] for _ in range(math.ceil(per_process / per_step))]
+    k = 0
+    for unit in mine:
+        if steps[k] and len(steps[k]) + len(unit) > per_step and k + 1 < len(steps):
+            k += 1
+        steps[k].extend(unit)
+    return steps
+
+
 class Trainer:
     """Trains ``adapter.model`` on trajectories; the objective comes from the hooks (see module docstring)."""
 
@@ -112,19 +140,14 @@ class Trainer:
         """Shuffle, shard over processes, cut into optimiser-step groups and build each group's view (``epoch``:
         the inner iteration, whose masks are its own when the algorithm draws fresh ones)."""
         acc = self.accelerator
-        order = torch.arange(len(trajectories))
-        if self.cfg.shuffle:
-            order = torch.randperm(len(trajectories), generator=self._generator(0))
-        shard = [trajectories[i] for i in order[acc.process_index::acc.num_processes].tolist()]
-        per_process = math.ceil(len(trajectories) / acc.num_processes)
-        if per_process == 0:
+        if not trajectories:
             raise ValueError("train_step got no trajectories")
-        per_step = self.cfg.samples_per_step or per_process
-        n_steps = math.ceil(per_process / per_step)
+        generator = self._generator(0) if self.cfg.shuffle else None
+        steps = shard_steps(trajectories, acc.process_index, acc.num_processes, self.cfg.samples_per_step,
+                            self.whole_groups, generator)
         view_cfg = replace_settings(self.cfg, seed=self.cfg.seed + 7919 * self.rl_step + acc.process_index
                                     + 104_729 * epoch)
-        batches = [build_view(shard[i * per_step:(i + 1) * per_step], advantages, view_cfg, self.traits)
-                   for i in range(n_steps)]
+        batches = [build_view(step, advantages, view_cfg, self.traits) for step in steps]
         self.dropped = [d for b in batches for d in b.dropped]
         if self.dropped:
             log.warning("dropped %d trajectories: %s", len(self.dropped), self.dropped[:5])
