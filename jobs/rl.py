@@ -669,6 +669,8 @@ def _train_summary(step_metrics: list[dict]) -> dict:
     keys = ("loss", "policy_loss", "kl_loss", "approx_kl", "clip_frac", "ratio_mean", "grad_norm", "lr")
     out = {k: sum(m[k] for m in step_metrics if k in m) / len(step_metrics) for k in keys if k in last}
     out["optimizer_steps"] = len(step_metrics)
+    if "pairs" in last:  # pairwise losses (VRPO): preference pairs trained on, over the step's optimiser steps
+        out["pairs"] = sum(m.get("pairs", 0.0) for m in step_metrics)
     if "sampler_logp_max_abs_diff" in last:
         out["sampler_logp_max_abs_diff"] = last["sampler_logp_max_abs_diff"]
     return out

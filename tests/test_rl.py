@@ -165,6 +165,32 @@ def test_two_process_rl_keeps_ranks_identical(tmp_path, ckpts, config, base, kin
 
 
 @pytest.mark.slow
+def test_two_process_vrpo_trains_every_pair_of_every_group(tmp_path, ckpts):
+    """VRPO pairs the correct and wrong responses of one task: under DDP each group stays on one process, so the
+    pairs trained (summed over both ranks) are all the pairs the step's rollouts hold."""
+    from tests.test_train_distributed import _free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RL_HARNESS"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RL_HARNESS_DUMP=str(tmp_path / "w"))
+    args = demo_args(tmp_path, ckpts["sdar"], "sdar", **{"experiment.total_step": 1, "training.method": "vrpo",
+                                                          "rollout.num_task_per_step": 6,
+                                                          "training.mask_times_per_sample": 2})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "--main_process_port", str(_free_port()),
+           str(HARNESS), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rollouts = [json.loads(x) for x in (tmp_path / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
+    signs: dict[str, list[int]] = {}
+    for r in rollouts:
+        if (adv := r["meta"]["advantage"]) is not None:  # None: the group was filtered out (all equal)
+            signs.setdefault(r["group_id"], []).append((adv > 0) - (adv < 0))
+    expected = sum(s.count(1) * s.count(-1) for s in signs.values())
+    metrics = json.loads((tmp_path / "run" / "step_1" / "metrics.json").read_text())
+    assert expected > 0 and metrics["pairs"] == expected
+
+
+@pytest.mark.slow
 def test_two_process_zero3_rl_trains_a_value_model_beside_the_policy(tmp_path, ckpts):
     """Value-guided TraceRL under DeepSpeed ZeRO-3: the value model gets an engine (and an Accelerator) of its own;
     both models train and stay identical across the ranks, and the value checkpoint is written whole."""

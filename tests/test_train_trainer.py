@@ -303,3 +303,25 @@ def test_pairwise_losses_get_whole_prompt_groups_on_one_process_and_step(world, 
     for rank, k, group in placed.values():
         assert where.setdefault(group, (rank, k)) == (rank, k)
     assert len(where) == 5 and len({rank for rank, _ in where.values()}) == min(world, 5)
+
+
+def test_a_filler_micro_batch_adds_no_gradient_even_to_a_loss_that_ignores_weights(tiny):
+    """Processes with fewer micro-batches run zero-weight copies so collectives stay in step; a loss that does not
+    read the weights (VRPO's pair loss, a router's aux loss) must still add nothing through them."""
+    from dataclasses import replace
+
+    import torch
+
+    from train.loss import LossOutput
+
+    trajs = fake_batch(tiny("sdar"), n=2, seed=3)
+    adv = {t.sample_id: 1.0 for t in trajs}
+    norms = []
+    for with_filler in (False, True):
+        trainer = make_trainer(tiny("sdar", seed=4), micro_batch_size=100, max_grad_norm=1e9)
+        trainer.loss = lambda mb, logp: LossOutput(logp.sum(), {"loss": float(logp.sum())})  # weights ignored
+        (batch,) = trainer.build_views(trajs, adv)
+        (mb,) = trainer.micro_batches(batch, 0)
+        filler = replace(mb.with_weights(torch.zeros_like(mb.weights)), filler=True)
+        norms.append(trainer.optimizer_step([mb, filler] if with_filler else [mb])["grad_norm"])
+    assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-6)

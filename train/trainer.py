@@ -230,7 +230,10 @@ class Trainer:
             ctx = nullcontext() if last or _is_deepspeed(acc) else acc.no_sync(self.model)
             with ctx:
                 out = self.loss(mb, self.model_outputs(mb))
-                acc.backward((out.loss + self._router_aux_loss()) * self._accumulation_divisor())
+                total = (out.loss + self._router_aux_loss()) * self._accumulation_divisor()
+                # a filler only keeps the collectives in step: its zero weights do not silence every loss (VRPO's
+                # pairs, a router's aux loss), so its whole contribution is zeroed here
+                acc.backward(total * 0.0 if mb.filler else total)
             parts.append(out.metrics)
         metrics = finalize_metrics(self._global_sums(parts, micro))
         self._stop_if_not_finite("loss", metrics.get("loss", 0.0))
