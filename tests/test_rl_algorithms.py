@@ -176,6 +176,19 @@ def test_vrpo_pairs_chosen_and_rejected_responses_of_a_group_by_hand():
     assert float(logp.grad[4]) == 0.0  # a group without a pair does not train
 
 
+def test_vrpo_micro_batch_without_a_pair_backpropagates_zeros():
+    """Under DDP every micro-batch must run a backward; one holding only groups without a pair (all correct, kept
+    by the reward filters) gives a zero loss that is still part of the graph."""
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    mb = entries(logp, sample_index=torch.tensor([0, 1]), unit=torch.tensor([0, 1]),
+                 advantages=torch.tensor([0.0, 0.0]),
+                 extra={"level": torch.tensor([0.5, 0.5]), "group": torch.tensor([0, 0]),
+                        "resp_len": torch.tensor([1.0, 1.0]), "batch_groups": torch.full((2,), 1.0)})
+    out = algorithm("vrpo").loss(logp, mb, RLTrainingConfig(method="vrpo"), torch.tensor([-1.0, -2.0]))
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0 and out.metrics["pairs"] == 0 and logp.grad.tolist() == [0.0, 0.0]
+
+
 def test_gspo_sequence_ratio_replaces_token_ratios():
     new = torch.tensor([-1.0, -1.0, -2.0], requires_grad=True)
     old = torch.tensor([-1.2, -1.0, -1.9])

@@ -34,7 +34,9 @@ def pair_losses(margin: Tensor, group: Tensor, chosen: Tensor, rejected: Tensor,
         wins, loses = margin[mine & chosen], margin[mine & rejected]
         n = len(wins) * len(loses)
         pairs.append(n)
-        losses.append(-F.logsigmoid(beta * (wins[:, None] - loses[None, :])).mean() if n else margin.new_zeros(()))
+        # a group without a pair adds 0, still tied to the graph: a micro-batch of such groups must backpropagate
+        # (zeros) like any other, or DDP's gradient all-reduce would wait for it
+        losses.append(-F.logsigmoid(beta * (wins[:, None] - loses[None, :])).mean() if n else margin[mine].sum() * 0.0)
     return torch.stack(losses), torch.tensor(pairs)
 
 
