@@ -138,9 +138,13 @@ def server_process(args, params: SamplingParams, max_batch: int):
     proc = ctx.Process(target=_server_process, args=(args, params, max_batch, theirs), daemon=True)
     proc.start()
     try:
-        if not mine.poll(300):
-            raise RuntimeError(f"the server process did not start (exit {proc.exitcode})")
-        yield mine.recv()
+        try:
+            if not mine.poll(300):
+                raise EOFError
+            url = mine.recv()
+        except EOFError:
+            raise RuntimeError(f"the server process did not start (exit {proc.exitcode})") from None
+        yield url
     finally:
         with contextlib.suppress(OSError):
             mine.send("stop")
