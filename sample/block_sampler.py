@@ -43,10 +43,11 @@ PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
 # thousand tokens costs about what one of a few tokens does (weights dominate), a CPU one is compute-bound past a
 # few dozen (bench/sampler.py: at batch 32 on 2 cores, always fusing is 0.74x).
 FUSE_MAX_TOKENS = {"cuda": 8192, "cpu": 64}
-# Fused also when at least this share of the rows carries a finished block. Rows out of phase (a request that
-# joined a server's batch a step after the others) otherwise settle into taking turns: the carriers store their
-# block alone while the others denoise, then the other way round, 5 forwards per block for the whole batch at 4
-# steps. Fusing when most rows carry pads the few that do not and puts them back in phase.
+# Fused (past FUSE_MAX_TOKENS) when at least this share of the rows carries a finished block; 1.0: only when every
+# row does, the rule before. Rows out of phase (a request that joined a server's batch a step after the others)
+# otherwise settle into taking turns: the carriers store their block alone while the others denoise, then the other
+# way round, 5 forwards per block for the whole batch at 4 steps. Fusing when most rows carry pads the few that do
+# not and puts them back in phase.
 FUSE_CARRYING_SHARE = 0.5
 REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a repack
 
@@ -223,9 +224,13 @@ class BlockSampler:
         self._init_batch()
 
     def _init_batch(self) -> None:
-        for name, (per_row, dtype) in _ROW_STATE.items():
-            setattr(self, name, torch.empty(0, *((self.b,) if per_row == "block" else ()), dtype=dtype,
-                                            device=self.device))
+        for name in _ROW_STATE:
+            setattr(self, name, self._zero_rows(name, 0))
+
+    def _zero_rows(self, name: str, n: int) -> Tensor:
+        """``n`` fresh rows of the per-row state ``name`` (see ``_ROW_STATE``)."""
+        per_row, dtype = _ROW_STATE[name]
+        return torch.zeros(n, *((self.b,) if per_row == "block" else ()), dtype=dtype, device=self.device)
 
     def check_prompt(self, index: int, prompt: list[int]) -> int:
         """The response budget of a prompt; a clear error when it leaves no room below the position limit."""
@@ -264,10 +269,8 @@ class BlockSampler:
         masked = torch.arange(self.b, device=dev)[None, :] >= torch.tensor(tails, device=dev)[:, None]
         opening = {"tokens": torch.tensor(blocks, dtype=torch.long, device=dev), "masked": masked,
                    "editable": masked, "start": torch.tensor(starts, dtype=torch.long, device=dev)}
-        for name, (per_row, dtype) in _ROW_STATE.items():
-            new = opening.get(name)
-            if new is None:
-                new = torch.zeros(n, *((self.b,) if per_row == "block" else ()), dtype=dtype, device=dev)
+        for name in _ROW_STATE:
+            new = opening[name] if name in opening else self._zero_rows(name, n)
             setattr(self, name, torch.cat([getattr(self, name), new]))
 
     # ------------------------------------------------------------ one denoising step
@@ -280,8 +283,7 @@ class BlockSampler:
         logprob / confidence recorded; finished blocks carried from the last step are stored by this forward."""
         carry = self.n_carrying > 0
         rows = len(self.running)
-        fused = (self.n_carrying >= FUSE_CARRYING_SHARE * rows or self.n_carrying == rows
-                 or 2 * self.b * rows <= self.fuse_max_tokens)
+        fused = self.n_carrying >= FUSE_CARRYING_SHARE * rows or 2 * self.b * rows <= self.fuse_max_tokens
         hidden = self.runner.step(self.tokens, self._positions(), self.carry if carry else None,
                                   self.carrying if carry else None, fused)
         self.stats.denoise_forwards += 1

@@ -60,11 +60,11 @@ def test_cache_and_no_cache_give_identical_tokens(sdar):
     assert slow.stats.forwards < cached.stats.forwards  # no prefill / commit passes without a cache
 
 
-@pytest.mark.parametrize("share, extra_forwards", [(0.5, 1), (2.0, 5)])
+@pytest.mark.parametrize("share, extra_forwards", [(0.5, 1), (1.0, 5)])
 def test_a_row_that_joins_a_step_late_is_put_back_in_phase(sdar, monkeypatch, share, extra_forwards):
     """A server admits requests between steps, so a row may start a step after the others. Storing finished blocks
     fused whenever most rows carry one puts the late row back in phase: the batch costs the one step it started
-    late. Without it (share 2.0: fused only when every row carries) the rows take turns storing their blocks, one
+    late. Without it (share 1.0: fused only when every row carries) the rows take turns storing their blocks, one
     extra forward per block (5 blocks here)."""
     import torch
 
@@ -102,7 +102,7 @@ def test_finished_blocks_stored_fused_or_riding_alone_give_the_no_cache_tokens(s
 
     monkeypatch.setattr(block_sampler, "FUSE_MAX_TOKENS", {"cpu": fuse_max_tokens, "cuda": fuse_max_tokens})
     # 0: a finished block rides alone unless every row carries one
-    monkeypatch.setattr(block_sampler, "FUSE_CARRYING_SHARE", 0.5 if fuse_max_tokens else 2.0)
+    monkeypatch.setattr(block_sampler, "FUSE_CARRYING_SHARE", 0.5 if fuse_max_tokens else 1.0)
     prompts = prompts_of()
     params = _greedy(max_active=3, remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.5)
     cached = generate(sdar, prompts, params, progress=False)
@@ -268,7 +268,7 @@ def test_lm_head_on_masked_positions_only_gives_the_tokens_of_a_head_everywhere(
 
     monkeypatch.setattr(block_sampler, "FUSE_MAX_TOKENS", {"cpu": fuse_max_tokens, "cuda": fuse_max_tokens})
     # 0: a finished block rides alone unless every row carries one
-    monkeypatch.setattr(block_sampler, "FUSE_CARRYING_SHARE", 0.5 if fuse_max_tokens else 2.0)
+    monkeypatch.setattr(block_sampler, "FUSE_CARRYING_SHARE", 0.5 if fuse_max_tokens else 1.0)
     prompts = prompts_of()
     p = SamplingParams(**{**dict(max_tokens=14, stop_token_ids=[], ignore_eos=True, max_active=3), **params})
     heads = []
