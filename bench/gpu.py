@@ -153,14 +153,15 @@ def fuse_rows(args, device: str) -> list[dict]:
                         stop_token_ids=[], remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.9,
                         max_active=max(args.batches))
     g = torch.Generator().manual_seed(1)
-    rows, saved = [], dict(block_sampler.FUSE_MAX_TOKENS)
+    rows, saved, share = [], dict(block_sampler.FUSE_MAX_TOKENS), block_sampler.FUSE_CARRYING_SHARE
     try:
         for batch in args.batches:
             prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),),
                                      generator=g).tolist() for _ in range(batch)]
             speed = {}
-            for mode, limit in (("fused", 1 << 30), ("separate", 0)):
+            for mode, limit in (("fused", 1 << 30), ("separate", 0)):  # separate: unless every row carries one
                 block_sampler.FUSE_MAX_TOKENS.update(cuda=limit, cpu=limit)
+                block_sampler.FUSE_CARRYING_SHARE = share if limit else 1.0
                 stats, walls = _generate_twice(adapter, prompts, sp, device)
                 speed[mode] = stats.generated_tokens / walls[-1]
             row = {"shape": shape, "batch": batch, "fused_tok_s": speed["fused"],
@@ -170,6 +171,7 @@ def fuse_rows(args, device: str) -> list[dict]:
             print(f"  fuse {json.dumps(row)}", flush=True)
     finally:
         block_sampler.FUSE_MAX_TOKENS.update(saved)
+        block_sampler.FUSE_CARRYING_SHARE = share
     return rows
 
 
