@@ -19,8 +19,8 @@
    ``fuse``: the sampler with finished blocks stored fused and separately at each batch size (mixed prompt
    lengths), the measurement behind ``FUSE_MAX_TOKENS["cuda"]`` (sample/block_sampler.py).
 3. One MoE layer of SDAR-30B-A3B's shape (hidden 2048, 128 experts, top-8, expert width 768) in bf16: grouped
-   expert compute vs every expert on every token at decode and training shapes, and the host syncs per forward
-   (counted by torch's sync debug mode).
+   expert compute (one grouped product) vs the per-expert split vs every expert on every token at decode and
+   training shapes, and the host syncs per forward (counted by torch's sync debug mode; 0 expected).
 4. Smoke runs of the real entry points on this device, each in its own process: ``eval.py`` on the demo config,
    2 steps of ``rl.py`` (full, LoRA, and QLoRA on CUDA), 2 steps of SFT, and a single-GPU DeepSpeed ZeRO-3 RL step
    (``accelerate launch``). The first run that needs the demo SFT model trains it (about a minute on an H100).
@@ -269,12 +269,14 @@ def _best_ms(device: str, fn, reps: int = 5) -> float:
 def moe_rows(args, device: str) -> list[dict]:
     from types import SimpleNamespace
 
-    from models.moe import SparseMoeBlock, grouped_expert_compute, naive_expert_compute
+    from bench.moe import COMPUTE
+    from models.moe import SparseMoeBlock
 
     layer = dict(MOE_LAYER) if not args.quick else {**MOE_LAYER, "hidden_size": 128, "num_experts": 16,
                                                      "moe_intermediate_size": 64}
     torch.manual_seed(0)
     block = SparseMoeBlock(SimpleNamespace(**layer, norm_topk_prob=True)).to(device=device, dtype=args.dtype)
+    grouped, split, every = COMPUTE["grouped"], COMPUTE["split"], COMPUTE["every"]
     rows = []
     for name, tokens, train in (("decode batch 1", 4, False), ("decode batch 32", 128, False),
                                 ("training fwd+bwd", 512 if args.quick else 4096, True)):
@@ -290,10 +292,11 @@ def moe_rows(args, device: str) -> list[dict]:
                     out.float().square().mean().backward()
             return out
 
-        diff = float((call(grouped_expert_compute) - call(naive_expert_compute)).detach().float().abs().max())
+        diff = float((call(grouped) - call(every)).detach().float().abs().max())
         row = {"layer": "sdar-30b-a3b", "shape": name, "tokens": tokens,
-               "grouped_ms": _best_ms(device, lambda: call(grouped_expert_compute)),
-               "all_experts_ms": _best_ms(device, lambda: call(naive_expert_compute)), "max_diff": diff,
+               "grouped_ms": _best_ms(device, lambda: call(grouped)),
+               "split_ms": _best_ms(device, lambda: call(split)),
+               "all_experts_ms": _best_ms(device, lambda: call(every)), "max_diff": diff,
                "host_syncs_per_forward": _host_syncs(device, lambda x=x: block(x.detach()))}
         rows.append(row)
         print(f"  moe {json.dumps(row)}", flush=True)
@@ -374,8 +377,9 @@ def report(result: dict) -> str:
     if result.get("moe"):
         lines.append("MoE layer (SDAR-30B-A3B shape; grouped vs every expert on every token):")
         for r in result["moe"]:
-            lines.append(f"  {r['shape']:<18} {r['tokens']:>5} tokens: grouped {r['grouped_ms']:.2f} ms, all experts "
-                         f"{r['all_experts_ms']:.2f} ms ({r['all_experts_ms'] / r['grouped_ms']:.1f}x), "
+            lines.append(f"  {r['shape']:<18} {r['tokens']:>5} tokens: grouped {r['grouped_ms']:.2f} ms, split "
+                         f"{r['split_ms']:.2f} ms, all experts {r['all_experts_ms']:.2f} ms "
+                         f"({r['all_experts_ms'] / r['grouped_ms']:.1f}x), "
                          f"host syncs per forward {r['host_syncs_per_forward']}")
     lines.append("smoke runs:")
     for r in result.get("smoke", []):

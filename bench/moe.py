@@ -1,4 +1,5 @@
-"""One MoE layer (models/moe.py), grouped expert compute vs a loop running every expert on every token, same run;
+"""One MoE layer (models/moe.py): grouped expert compute (one ``torch._grouped_mm``, no host sync) vs the per-expert
+split (the counts read on the host, one product per expert) vs a loop running every expert on every token, same run;
 then each MoE family's sampler on its tiny demo model beside its dense sibling's:
 
     python -m bench.moe [--hidden 512 --experts 64 --top-k 8 --inner 256] [--no-samplers]
@@ -25,6 +26,13 @@ import torch
 
 from models.moe import SparseMoeBlock, grouped_expert_compute, naive_expert_compute
 
+# the three computations of one layer's experts, same arguments
+COMPUTE = {
+    "grouped": lambda x, w, i, e: grouped_expert_compute(x, w, i, e.gate_up_proj, e.down_proj, grouped=True),
+    "split": lambda x, w, i, e: grouped_expert_compute(x, w, i, e.gate_up_proj, e.down_proj, grouped=False),
+    "every": naive_expert_compute,
+}
+
 # each MoE family and the dense family with its attention
 SIBLINGS = (("sdar_moe", "sdar"), ("llada2", "sdar"), ("llada_moe", "llada"))
 
@@ -38,8 +46,8 @@ def fastest(reps: int, fn) -> float:
     return best * 1e3
 
 
-def time_shape(block: SparseMoeBlock, tokens: int, reps: int, train: bool) -> tuple[float, float, float]:
-    """(grouped ms, naive ms, max |difference|) for ``tokens`` tokens through ``block``'s experts."""
+def time_shape(block: SparseMoeBlock, tokens: int, reps: int, train: bool) -> tuple[dict[str, float], float]:
+    """({computation: ms}, max |difference| from every-expert) for ``tokens`` tokens through ``block``'s experts."""
     x = torch.randn(tokens, block.gate.in_features, requires_grad=train)
     with torch.no_grad():
         _, weights, index = block.route(x)
@@ -53,9 +61,10 @@ def time_shape(block: SparseMoeBlock, tokens: int, reps: int, train: bool) -> tu
             return out
         return call
 
-    grouped, naive = run(grouped_expert_compute), run(naive_expert_compute)
-    diff = float((grouped().detach() - naive().detach()).abs().max())
-    return fastest(reps, grouped), fastest(reps, naive), diff
+    calls = {name: run(compute) for name, compute in COMPUTE.items()}
+    ref = calls["every"]().detach()
+    diff = max(float((calls[name]().detach() - ref).abs().max()) for name in ("grouped", "split"))
+    return {name: fastest(reps, call) for name, call in calls.items()}, diff
 
 
 def sampler_runs(model_base: str, batch: int, max_tokens: int, reps: int, size: str = "demo") -> list:
@@ -114,11 +123,13 @@ def main() -> None:
     block = SparseMoeBlock(cfg)
     print(f"MoE layer: hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, expert width {args.inner}, "
           f"{torch.get_num_threads()} thread(s)")
-    print(f"{'shape':<28}{'tokens':>8}{'grouped ms':>12}{'all-experts ms':>16}{'ratio':>8}{'max diff':>11}")
+    print(f"{'shape':<28}{'tokens':>8}{'grouped ms':>12}{'split ms':>10}{'all-experts ms':>16}"
+          f"{'all/grouped':>13}{'split/grouped':>15}{'max diff':>10}")
     for name, tokens, train in (("decode batch 1 (block 4)", 4, False), ("decode batch 32 (block 4)", 128, False),
                                 ("training fwd+bwd", args.train, True)):
-        g, n, diff = time_shape(block, tokens, args.reps, train)
-        print(f"{name:<28}{tokens:>8}{g:>12.2f}{n:>16.2f}{n / g:>7.1f}x{diff:>11.1e}")
+        ms, diff = time_shape(block, tokens, args.reps, train)
+        g, s, n = ms["grouped"], ms["split"], ms["every"]
+        print(f"{name:<28}{tokens:>8}{g:>12.2f}{s:>10.2f}{n:>16.2f}{n / g:>12.1f}x{s / g:>14.2f}x{diff:>10.1e}")
     if not args.no_samplers:
         compare_samplers(args)
 

@@ -284,8 +284,9 @@ class RLJob:
             del base
             if cfg.lora.enabled:
                 lora = replace_settings(cfg.lora, load_in_4bit=False)  # the value backbone is never quantised
-                model = wrapped_model(model, lora, family_spec(cfg.model.model_base).lora_targets, saved,
-                                      also_save=("value_head",))
+                spec = family_spec(cfg.model.model_base)
+                model = wrapped_model(model, lora, spec.lora_targets, saved, also_save=("value_head",),
+                                      family_parameters=spec.lora_parameters)
         model = model.to(next(self.adapter.model.parameters()).device)
         adapter = dataclasses.replace(self.adapter, model=model)
         params = replace_settings(cfg.optimizer.params, learning_rate=cfg.optimizer.params.value_learning_rate)

@@ -295,3 +295,5 @@ def init_linear_normal(module: nn.Module, std: float) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=std)
     elif isinstance(module, RMSNorm):
         nn.init.ones_(module.weight)
+    for name in getattr(module, "normal_init", ()):  # parameters of modules that are not nn.Linear (fused experts)
+        nn.init.normal_(getattr(module, name), mean=0.0, std=std)

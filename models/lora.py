@@ -47,6 +47,10 @@ class LoraSettings(Settings):
     # module names (each layer's modules of that name); null = the family's attention and MLP projections
     # (models/registry.py FAMILIES[...].lora_targets)
     target_modules: list[str] | None = None
+    # parameters adapted in place (peft's target_parameters), by their names within a layer: null = the family's
+    # (a MoE family's routed experts: experts.gate_up_proj, experts.down_proj; FAMILIES[...].lora_parameters);
+    # [] = none
+    target_parameters: list[str] | None = None
     bias: Literal["none", "all", "lora_only"] = "none"  # which biases train beside the adapters
     modules_to_save: list[str] | None = None  # modules trained whole and saved with the adapter (e.g. lm_head)
     load_in_4bit: bool = False  # QLoRA: the frozen base in 4-bit NF4 (CUDA + bitsandbytes only)
@@ -83,32 +87,46 @@ def _head_names(model: Any) -> list[str]:
         isinstance(m, nn.Linear) and m.out_features == vocab))]
 
 
-def peft_config(settings: LoraSettings, model: Any, family_targets: Sequence[str]) -> Any:
-    """peft's LoraConfig for ``model``: ``settings.target_modules`` or else the family's default targets (the
-    registry's ``lora_targets``), checked against the model's own module names."""
+def peft_config(settings: LoraSettings, model: Any, family_targets: Sequence[str],
+                family_parameters: Sequence[str] = ()) -> Any:
+    """peft's LoraConfig for ``model``: ``settings.target_modules`` / ``target_parameters`` or else the family's
+    defaults (the registry's ``lora_targets`` / ``lora_parameters``), checked against the model's own names."""
     from peft import LoraConfig
 
     names = family_linear_names(model)
-    targets = list(settings.target_modules if settings.target_modules is not None else family_targets)
+    # the family's defaults that this config builds (a MoE model may have no dense MLP, SDAR-30B-A3B has none)
+    targets = (list(settings.target_modules) if settings.target_modules is not None
+               else [t for t in family_targets if t in names])
     unknown = [t for t in targets if t not in names]
     if not targets or unknown:
         raise ModelLoadError(f"lora.target_modules {unknown or targets} match no module of this "
                              f"{type(model).__name__}; its linear modules are {names}")
+    parameters = list(settings.target_parameters if settings.target_parameters is not None else family_parameters)
+    # the fused tensors peft adapts in place (under ZeRO-3 a parameter is a flat shard; ds_shape is its shape)
+    owned = {n for n, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) == 3}
+    unknown = [t for t in parameters if not any(n.endswith("." + t) for n in owned)]
+    if unknown:
+        have = sorted({n.split(".", 3)[-1] for n in owned}) or "none"  # without the model.layers.{i}. prefix
+        raise ModelLoadError(f"lora.target_parameters {unknown} match no expert tensor of this "
+                             f"{type(model).__name__} (it has {have})")
     heads = _head_names(model)
     exclude = heads if heads and settings.target_modules is None else None  # LLaDA's head is also named ff_out
     return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                      target_modules=targets, exclude_modules=exclude, bias=settings.bias,
+                      target_modules=targets, target_parameters=parameters or None, exclude_modules=exclude,
+                      bias=settings.bias,
                       modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None)
 
 
 def wrap(adapter: Any, settings: LoraSettings, resume: str | Path | None = None) -> Any:
     """Wrap ``adapter.model`` with fresh LoRA adapters, or with the adapter saved in ``resume`` (trainable)."""
-    adapter.model = wrapped_model(adapter.model, settings, adapter.lora_targets, resume)
+    adapter.model = wrapped_model(adapter.model, settings, adapter.lora_targets, resume,
+                                  family_parameters=adapter.lora_parameters)
     return adapter
 
 
 def wrapped_model(model: Any, settings: LoraSettings, family_targets: Sequence[str],
-                  resume: str | Path | None = None, also_save: tuple[str, ...] = ()) -> Any:
+                  resume: str | Path | None = None, also_save: tuple[str, ...] = (),
+                  family_parameters: Sequence[str] = ()) -> Any:
     """``model`` as a trainable PeftModel: fresh adapters (seeded by ``settings.init_seed``) or those in ``resume``.
     ``also_save``: modules trained whole beside ``settings.modules_to_save`` (the value model's head)."""
     from peft import get_peft_model
@@ -121,7 +139,7 @@ def wrapped_model(model: Any, settings: LoraSettings, family_targets: Sequence[s
         return load_adapter(model, resume, trainable=True)
     import torch
 
-    config = peft_config(settings, model, family_targets)
+    config = peft_config(settings, model, family_targets, family_parameters)
     if also_save:
         config.modules_to_save = sorted({*(config.modules_to_save or ()), *also_save})
     devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
@@ -147,7 +165,12 @@ def _check_adapter_fits(model: Any, path: Path) -> None:
                 if f".{kind}." not in key:
                     continue
                 name = key.split(f".{kind}.")[0].removeprefix("base_model.model.")
+                while name.endswith(".base_layer"):  # nested ParamWrappers: one per adapted expert tensor
+                    name = name.removesuffix(".base_layer")
                 module = modules.get(name)
+                if module is not None and any(len(getattr(p, "ds_shape", p.shape)) == 3
+                                              for p in module.parameters(recurse=False)):
+                    continue  # fused expert tensors (target_parameters): peft checks their shapes as it loads
                 if module is None or not isinstance(getattr(module, "weight", None), nn.Parameter):
                     raise ModelLoadError(f"{path}: the adapter does not match this base model (it adapts {name!r}, "
                                          "which the base model does not have)")
@@ -194,18 +217,29 @@ def merged_for_sampling(model: Any):
     if not is_peft(model):
         yield
         return
-    layers = [m for m in _lora_layers(model) if not m.merged and type(m.base_layer) is nn.Linear
-              and not m.__dict__.get("_served_packed", False)]  # packed products hold merged weights already
+    from peft.tuners.lora.layer import ParamWrapper
+
+    layers = [m for m in _lora_layers(model) if not m.merged and not m.__dict__.get("_served_packed", False)
+              and (type(m.base_layer) is nn.Linear or isinstance(m, ParamWrapper))]  # packed: merged already
     saved = []
     try:
         with torch.no_grad():
             for layer in layers:
-                weight = layer.base_layer.weight
-                saved.append((layer, weight.data))
+                weight = _adapted_weight(layer)
+                saved.append((weight, weight.data))
                 weight.data = weight.data.clone()
                 layer.merge(adapter_names=list(layer.active_adapters))
         yield
     finally:
-        for layer, data in saved:
-            layer.base_layer.weight.data = data
+        for weight, data in saved:
+            weight.data = data
+        for layer in layers:
             layer.merged_adapters = []
+
+
+def _adapted_weight(layer: Any) -> Any:
+    """The base tensor a LoRA layer adds its delta to: a linear layer's weight, or the expert tensor a
+    ``ParamWrapper`` (peft's target_parameters) adapts."""
+    if hasattr(layer, "parameter_name"):
+        return getattr(layer.get_base_layer(), layer.parameter_name)
+    return layer.base_layer.weight

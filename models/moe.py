@@ -1,14 +1,19 @@
 """Shared sparse mixture-of-experts block (Qwen3-MoE style): an fp32 softmax router picks top-k experts per token,
 each expert is a SwiGLU MLP run only on the tokens routed to it.
 
-Parameter names match the public checkpoints (SDAR-30B-A3B, Qwen3-MoE): ``gate.weight`` (the router),
-``experts.{i}.{gate,up,down}_proj.weight``.
+Parameter names match the public checkpoints (SDAR-30B-A3B, Qwen3-MoE, LLaDA2, LLaDA-MoE) on disk: ``gate.weight``
+(the router), ``experts.{i}.{gate,up,down}_proj.weight``. In memory a layer's experts are two tensors
+(``FusedExperts``, transformers 5's Qwen3-MoE layout): ``experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows,
+then its up rows) and ``experts.down_proj`` [E, H, I]. ``from_pretrained`` fuses the per-expert tensors on load and
+``save_pretrained`` splits them back (transformers' weight conversions, registered per model type by
+``register_fused_experts``), so checkpoints keep the public names.
 
-Grouped compute: the (token, slot) pairs are sorted by expert (argsort), per-expert counts come from bincount, and
-the sorted rows are split by those counts so each expert multiplies only its own rows; results are scaled by the
-routing weights and scattered back with index_add_. Splitting needs the counts on the host: one device-to-host copy
-of ``num_experts`` integers per layer (torch's grouped mm, ``torch._grouped_mm``, avoids it but on CPU in torch 2.13
-requires 16-byte-aligned strides and is not used yet).
+Grouped compute: the (token, slot) pairs are sorted by expert (argsort), per-expert counts come from a scatter, and
+one grouped matrix product (``torch._grouped_mm``, offsets = the counts' running sum) multiplies each expert's rows by
+its own weights only. Nothing is read back to the host, so on CUDA the forward never waits for the device (tested on
+the meta device, where a host read fails). Where the grouped product cannot run (an fp32 or fp16 CUDA tensor, a row
+width that is not a multiple of 16 bytes) the rows are split by the counts on the host, one product per expert.
+Under DeepSpeed ZeRO-3 the two tensors are gathered when the ``experts`` module runs, the same on every rank.
 """
 
 from __future__ import annotations
@@ -72,38 +77,125 @@ def sigmoid_group_limited_routing(router_logits: Tensor, expert_bias: Tensor, to
     return weights * routed_scaling, index
 
 
-def grouped_expert_compute(x: Tensor, weights: Tensor, index: Tensor, experts: nn.ModuleList) -> Tensor:
-    """sum_k weights[t, k] * experts[index[t, k]](x[t]) for every token t, each expert run on its own tokens only."""
+class FusedExperts(nn.Module):
+    """A layer's routed experts as two tensors: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]; forward
+    returns sum_k weights[t, k] * expert_{index[t, k]}(x[t]) for every token t."""
+
+    normal_init = ("gate_up_proj", "down_proj")  # models.layers.init_linear_normal draws them like nn.Linear weights
+
+    def __init__(self, num_experts: int, hidden: int, inner: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        for weight in (self.gate_up_proj, self.down_proj):  # nn.Linear's default: U(-1/sqrt(in), 1/sqrt(in))
+            bound = weight.shape[-1] ** -0.5
+            nn.init.uniform_(weight, -bound, bound)
+
+    def __len__(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def expert(self, e: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Expert ``e``'s (gate, up, down) weights, views in nn.Linear's [out, in] layout."""
+        gate, up = self.gate_up_proj[e].chunk(2, dim=0)
+        return gate, up, self.down_proj[e]
+
+    def forward(self, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
+        return grouped_expert_compute(x, weights, index, self.gate_up_proj, self.down_proj)
+
+
+def grouped_expert_compute(x: Tensor, weights: Tensor, index: Tensor, gate_up: Tensor, down: Tensor,
+                           grouped: bool | None = None) -> Tensor:
+    """sum_k weights[t, k] * expert_{index[t, k]}(x[t]) for every token t, each expert run on its own tokens only
+    (``FusedExperts``' layout), without reading anything back to the host where the grouped product runs.
+    ``grouped``: force the grouped product (True) or the per-expert split (False); None = wherever it runs."""
     n_tokens, top_k = index.shape
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // top_k  # the token each sorted (token, slot) pair came from
     # counted by a scatter, not bincount, whose CUDA kernel syncs on its own to size its output
-    counts = flat.new_zeros(len(experts)).scatter_add_(0, flat, torch.ones_like(flat))
-    counts = counts.tolist()  # the one host copy (see module docstring)
+    counts = flat.new_zeros(gate_up.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))
     rows = x.index_select(0, token_of)
-    # Under DeepSpeed ZeRO-3 an expert's weights are gathered by a collective when its module runs, so every rank
-    # runs every expert, an idle one on zero rows: ranks that skipped different experts would pair up the wrong
-    # gathers (same shapes: no error, wrong weights) or wait for ever.
-    every = _partitioned(experts)
-    outs = [experts[e](chunk) for e, chunk in enumerate(rows.split(counts)) if counts[e] or every]
-    out_rows = torch.cat(outs) if outs else rows.new_zeros((0, x.shape[-1]))
+    gate, up = _per_expert_product(rows, gate_up, counts, grouped).chunk(2, dim=-1)
+    out_rows = _per_expert_product(silu_mul(gate, up), down, counts, grouped)
     scaled = out_rows * weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, scaled)
+    return torch.zeros_like(x).index_add_(0, token_of, scaled.to(x.dtype))
 
 
-def _partitioned(experts: nn.ModuleList) -> bool:
-    """Whether DeepSpeed ZeRO-3 partitions the experts' weights (its parameters carry a ``ds_id``)."""
-    return hasattr(experts[0].gate_proj.weight, "ds_id")
+def _per_expert_product(rows: Tensor, weight: Tensor, counts: Tensor, grouped: bool | None = None) -> Tensor:
+    """rows [N, in], sorted by expert with ``counts`` [E] rows each, times their expert's ``weight`` [E, out, in]
+    transposed: [N, out]. Under autocast both sides are cast as ``F.linear`` would cast them."""
+    device = rows.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        rows, weight = rows.to(dtype), weight.to(dtype)
+    else:
+        weight = weight.to(rows.dtype)
+    if grouped if grouped is not None else grouped_mm_runs(rows, weight):
+        return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    sizes = counts.tolist()  # a host copy: only where the grouped product cannot run
+    outs = [F.linear(chunk, weight[e]) for e, chunk in enumerate(rows.split(sizes)) if sizes[e]]
+    return torch.cat(outs) if outs else rows.new_zeros((0, weight.shape[1]))
 
 
-def naive_expert_compute(x: Tensor, weights: Tensor, index: Tensor, experts: nn.ModuleList) -> Tensor:
+def grouped_mm_runs(rows: Tensor, weight: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: its CPU kernel fp32 / bf16 / fp16, its CUDA one bf16 on
+    compute capability 8.0 or newer; both need rows and weight rows a multiple of 16 bytes wide."""
+    if not hasattr(torch, "_grouped_mm") or rows.dtype != weight.dtype:
+        return False
+    if rows.device.type == "cuda":
+        if rows.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (8, 0):
+            return False
+    elif rows.device.type not in ("cpu", "meta") or rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    align = 16 // rows.element_size()
+    return rows.shape[-1] % align == 0 and weight.shape[-2] % align == 0 and rows.stride(-1) == 1
+
+
+def naive_expert_compute(x: Tensor, weights: Tensor, index: Tensor, experts: FusedExperts) -> Tensor:
     """Reference: every expert on every token, combined with the dense routing weights (tests and bench only)."""
     dense = torch.zeros(x.shape[0], len(experts), dtype=weights.dtype, device=x.device)
     dense.scatter_(1, index, weights)
     out = torch.zeros_like(x)
-    for e, expert in enumerate(experts):
-        out = out + expert(x) * dense[:, e : e + 1].to(x.dtype)
+    for e in range(len(experts)):
+        gate, up, down = experts.expert(e)
+        out = out + F.linear(silu_mul(F.linear(x, gate), F.linear(x, up)), down) * dense[:, e : e + 1].to(x.dtype)
+    return out
+
+
+def register_fused_experts(*names: str) -> None:
+    """Have ``from_pretrained`` / ``save_pretrained`` of the model classes (or model types) ``names`` fuse a
+    checkpoint's per-expert tensors (``mlp.experts.{i}.{gate,up,down}_proj.weight``) into ``FusedExperts``' two
+    tensors and split them back: transformers' own weight conversions, the ones it uses for Qwen3-MoE. By class name
+    (transformers looks the class up first): a hub config may carry another family's model_type (LLaDA-MoE's
+    "llada")."""
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    for name in names:
+        register_checkpoint_conversion_mapping(name, [
+            WeightConverter(source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+                            target_patterns="mlp.experts.gate_up_proj",
+                            operations=[MergeModulelist(dim=0), Concatenate(dim=1)]),
+            WeightConverter(source_patterns="mlp.experts.*.down_proj.weight",
+                            target_patterns="mlp.experts.down_proj", operations=[MergeModulelist(dim=0)]),
+        ], overwrite=True)
+
+
+def checkpoint_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with every ``FusedExperts``' two tensors split into the checkpoint's per-expert tensors (views),
+    under the names they have on disk (what ``save_pretrained`` writes; tests and golden fixtures use it)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            stem = name.removesuffix("gate_up_proj")
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                out[f"{stem}{e}.gate_proj.weight"], out[f"{stem}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("experts.down_proj"):
+            stem = name.removesuffix("down_proj")
+            out.update({f"{stem}{e}.down_proj.weight": w for e, w in enumerate(tensor)})
+        else:
+            out[name] = tensor
     return out
 
 
@@ -129,8 +221,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.keep_router_logits = bool(getattr(config, "output_router_logits", False))
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(ExpertMLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.register_buffer("expert_bias", None)  # a family may set one (a tensor [E]): see softmax_topk_routing
         self.last_router_logits: Tensor | None = None
 
@@ -144,8 +235,7 @@ class SparseMoeBlock(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         logits, weights, index = self.route(flat)
         self.last_router_logits = logits if self.keep_router_logits else None
-        out = grouped_expert_compute(flat, weights.to(x.dtype), index, self.experts)
-        return out.reshape(x.shape)
+        return self.experts(flat, weights, index).reshape(x.shape)
 
     def aux_loss(self) -> Tensor | None:
         """The load-balancing loss of the last forward (None unless output_router_logits)."""

@@ -40,11 +40,15 @@ class FamilySpec:
     # LoRA's default targets (lora.target_modules: null): the attention and MLP projections, by the family's own
     # module names (a name matches every layer's module of that name; the LM head is never a default target)
     lora_targets: tuple[str, ...] = ()
+    # LoRA's default parameter targets (lora.target_parameters: null): a MoE family's fused routed experts, which
+    # are tensors of a module, not linear modules (peft's target_parameters)
+    lora_parameters: tuple[str, ...] = ()
 
 
 _QWEN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LLADA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 _LLADA2_TARGETS = ("query_key_value", "dense", "gate_proj", "up_proj", "down_proj")
+_EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")  # models/moe.py FusedExperts
 
 FAMILIES: dict[str, FamilySpec] = {
     "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["trado"], False, "<|im_end|>", SDARModel,
@@ -52,7 +56,7 @@ FAMILIES: dict[str, FamilySpec] = {
     "sdar": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["sdar"], False, "<|im_end|>", SDARModel,
                        _QWEN_TARGETS),
     "sdar_moe": FamilySpec("sdar", ("sdar_moe",), SDARMoeForCausalLM, ATTENTION_OF["sdar_moe"], False,
-                           "<|im_end|>", SDARMoeModel, _QWEN_TARGETS),
+                           "<|im_end|>", SDARMoeModel, _QWEN_TARGETS, _EXPERT_PARAMETERS),
     "dream": FamilySpec("dream", ("Dream", "dream"), DreamModel, ATTENTION_OF["dream"], True,
                         "<|im_end|>", DreamBaseModel, _QWEN_TARGETS),
     "llada": FamilySpec("llada", ("llada",), LLaDAModelLM, ATTENTION_OF["llada"], False, "<|eot_id|>", LLaDAModel,
@@ -60,10 +64,10 @@ FAMILIES: dict[str, FamilySpec] = {
     "mmada": FamilySpec("llada", ("mmada", "llada"), MMadaModelLM, ATTENTION_OF["mmada"], False,
                         "<|eot_id|>", LLaDAModel, _LLADA_TARGETS),
     "llada2": FamilySpec("llada2", ("llada2_moe",), LLaDA2MoeModelLM, ATTENTION_OF["llada2"], False, "<|role_end|>",
-                         LLaDA2MoeModel, _LLADA2_TARGETS),
+                         LLaDA2MoeModel, _LLADA2_TARGETS, _EXPERT_PARAMETERS),
     # the hub config says model_type "llada", as dense LLaDA's: load_model tells them apart (is_llada_moe)
     "llada_moe": FamilySpec("llada", ("lladamoe", "llada"), LLaDAMoEModelLM, ATTENTION_OF["llada_moe"], False,
-                            "<|role_end|>", LLaDAMoEModel, _QWEN_TARGETS),
+                            "<|role_end|>", LLaDAMoEModel, _QWEN_TARGETS, _EXPERT_PARAMETERS),
 }
 
 
@@ -104,6 +108,7 @@ class Adapter:
     tokenizer: Any = None
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
     lora_targets: tuple[str, ...] = ()  # the family's default LoRA target modules (FamilySpec.lora_targets)
+    lora_parameters: tuple[str, ...] = ()  # and target parameters (FamilySpec.lora_parameters)
 
     @property
     def backbone(self):
@@ -180,7 +185,8 @@ def make_adapter(model: Any, tokenizer: Any, model_base: str, block_size: int | 
     bs = block_size or (getattr(model.config, "block_size", None) if spec.attention == "block" else None)
     return Adapter(model=model, model_base=model_base, family=spec.family, attention=spec.attention,
                    block_size=bs, mask_id=mask_id, pad_id=pad_id, eos_ids=eos_ids, shift_logits=spec.shift_logits,
-                   tokenizer=tokenizer, stop_ids=stop_ids, lora_targets=spec.lora_targets)
+                   tokenizer=tokenizer, stop_ids=stop_ids, lora_targets=spec.lora_targets,
+                   lora_parameters=spec.lora_parameters)
 
 
 def _mask_id(tokenizer: Any, model: Any) -> int:

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 
 from models.base import full_weights
 from models.common import AttentionLayout
+from models.moe import register_fused_experts
 from models.registry import FAMILIES
 
 
@@ -87,6 +88,7 @@ with contextlib.suppress(ValueError):  # already registered
     AutoConfig.register(ValueConfig.model_type, ValueConfig)
 with contextlib.suppress(ValueError):
     AutoModel.register(ValueConfig, ValueModel)
+register_fused_experts(ValueModel.__name__)  # a MoE backbone's experts: per expert on disk, fused in memory
 
 
 def value_model_from_policy(policy: PreTrainedModel) -> ValueModel:

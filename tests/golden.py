@@ -9,10 +9,13 @@ import torch
 def fill_seeded(model: torch.nn.Module, seed: int, *, weight: float, bias: float, head: float) -> torch.nn.Module:
     """Every parameter and buffer of ``model`` drawn from one generator seeded ``seed``, in name order: norm weights
     1 + 0.1 N(0, 1), expert biases ``bias`` N(0, 1), the LM head ``head`` N(0, 1) (sharp enough that some
-    confidences pass a threshold), every other tensor ``weight`` N(0, 1)."""
+    confidences pass a threshold), every other tensor ``weight`` N(0, 1). Names and shapes are the checkpoint's
+    (fused experts are filled through their per-expert views), as the public code that made the numbers has them."""
+    from models.moe import checkpoint_state_dict
+
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+        for name, tensor in sorted(checkpoint_state_dict(model.state_dict(keep_vars=True)).items()):
             noise = torch.randn(tensor.shape, generator=g)
             if "norm" in name:
                 tensor.copy_(1 + 0.1 * noise)

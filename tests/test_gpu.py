@@ -110,6 +110,35 @@ def test_moe_logits_on_cuda_equal_cpu(tiny, model_base):
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=0)
 
 
+def test_moe_layer_in_bf16_never_waits_for_the_device_and_equals_the_per_expert_split():
+    """The grouped expert product (models/moe.py) on CUDA in bf16: forward and backward without a host sync (sync
+    debug mode "error" raises at one), the same numbers as one product per expert (bf16 rounding apart)."""
+    from types import SimpleNamespace
+
+    from models.moe import SparseMoeBlock, grouped_expert_compute, grouped_mm_runs
+
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=256, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                          norm_topk_prob=True)
+    block = SparseMoeBlock(cfg).to(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert grouped_mm_runs(x, block.experts.gate_up_proj)
+    block(x)  # warm-up (first-call allocations, cuBLAS handles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = block(x)
+        out.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with torch.no_grad():
+        _, weights, index = block.route(x)
+        e = block.experts
+        split = grouped_expert_compute(x, weights, index, e.gate_up_proj, e.down_proj, grouped=False)
+        grouped = grouped_expert_compute(x, weights, index, e.gate_up_proj, e.down_proj, grouped=True)
+    torch.testing.assert_close(grouped.float(), split.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_qlora_loads_a_4bit_base_and_trains_only_the_adapters(tmp_path, demo_tokenizer):
     """lora.load_in_4bit: the base's linear layers are bitsandbytes 4-bit NF4 on CUDA, the logits stay near the
     full-precision model's, a training step moves the adapters and nothing else, and sampling runs on it."""

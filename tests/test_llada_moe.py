@@ -139,8 +139,10 @@ def test_dense_llada_checkpoint_is_refused_as_llada_moe(tmp_path, demo_tokenizer
 
 
 def test_state_dict_uses_the_public_names(demo_tokenizer):
-    keys = set(seeded_model(len(demo_tokenizer), demo_tokenizer.mask_token_id,
-                            demo_tokenizer.eos_token_id).state_dict())
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = seeded_model(len(demo_tokenizer), demo_tokenizer.mask_token_id, demo_tokenizer.eos_token_id)
+    keys = set(revert_weight_conversion(model, model.state_dict()))  # what save_pretrained writes
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
             "model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.gate.weight",
             "model.layers.1.mlp.expert_bias", "model.layers.1.mlp.experts.7.down_proj.weight",

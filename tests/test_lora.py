@@ -27,7 +27,7 @@ LORA = {"lora.enabled": "true", "lora.rank": 4, "lora.alpha": 8}
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, demo_tokenizer):
     base = tmp_path_factory.mktemp("lora_ckpts")
-    return {m: save_tiny_checkpoint(base / m, m, demo_tokenizer, size="test") for m in ("sdar", "llada")}
+    return {m: save_tiny_checkpoint(base / m, m, demo_tokenizer, size="test") for m in ("sdar", "llada", "sdar_moe")}
 
 
 def logits(adapter, seed: int = 0) -> torch.Tensor:
@@ -43,7 +43,7 @@ def base_state(model) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items() if "lora_" not in k}
 
 
-@pytest.mark.parametrize("base", ["sdar", "llada", "llada2", "llada_moe"])
+@pytest.mark.parametrize("base", ["sdar", "llada", "sdar_moe", "llada2", "llada_moe"])
 def test_fresh_adapter_is_the_base_model_exactly_and_only_adapters_train(tiny, base):
     adapter = tiny(base)
     before = logits(adapter)
@@ -51,8 +51,14 @@ def test_fresh_adapter_is_the_base_model_exactly_and_only_adapters_train(tiny, b
     assert torch.equal(logits(adapter), before)  # B = 0
     trainable = [n for n, p in adapter.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    adapted = {n.split(".")[-1] for n, m in adapter.model.named_modules() if hasattr(m, "lora_A")}
-    assert adapted == set(__import__("models.registry").registry.family_spec(base).lora_targets)
+    spec = __import__("models.registry").registry.family_spec(base)
+    adapted = {n.split(".")[-1] for n, m in adapter.model.named_modules()
+               if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")}
+    # (the tiny sdar_moe has no dense MLP layer: every layer is sparse, as in SDAR-30B-A3B)
+    assert adapted == set(spec.lora_targets) - ({"gate_proj", "up_proj", "down_proj"} if base == "sdar_moe" else set())
+    # a MoE family's routed experts: their fused tensors, adapted in place (peft's target_parameters)
+    tensors = {"experts." + m.parameter_name for m in adapter.model.modules() if hasattr(m, "parameter_name")}
+    assert tensors == set(spec.lora_parameters) and bool(tensors) == (base in ("sdar_moe", "llada2", "llada_moe"))
     vocab = adapter.model.get_input_embeddings().num_embeddings
     heads = [m for m in adapter.model.modules() if getattr(m, "out_features", 0) == vocab
              or getattr(getattr(m, "base_layer", None), "out_features", 0) == vocab]
@@ -90,13 +96,38 @@ def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny)
     assert torch.equal(logits(adapter), unmerged)
 
 
-def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_path, ckpts, monkeypatch):
+@pytest.mark.parametrize("base", ["sdar_moe", "llada2"])
+def test_merged_sampling_of_adapted_expert_tensors_restores_them_bit_for_bit(tiny, base):
+    adapter = tiny(base)
+    wrap(adapter, LoraSettings(enabled=True, rank=4, alpha=8))
+    with torch.no_grad():
+        for n, p in adapter.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    wrappers = [m for m in adapter.model.modules() if hasattr(m, "parameter_name")]
+    experts = {id(m.get_base_layer()): m.get_base_layer() for m in wrappers}.values()
+    before = [(e.gate_up_proj, e.gate_up_proj.detach().clone(), e.down_proj.detach().clone()) for e in experts]
+    unmerged = logits(adapter)
+    assert not torch.equal(unmerged, logits(tiny(base)))  # the expert adapters change the outputs
+    with packed_projections(adapter.model), merged_for_sampling(adapter.model):
+        assert wrappers and all(m.merged for m in wrappers)  # experts are not packed: merged into copies
+        assert any(not torch.equal(e.gate_up_proj, gate_up) for e, (_, gate_up, _) in zip(experts, before))
+        merged = logits(adapter)
+    assert (merged - unmerged).abs().max() < 1e-5
+    assert not any(m.merged for m in wrappers)
+    for e, (param, gate_up, down) in zip(experts, before, strict=True):
+        assert e.gate_up_proj is param and torch.equal(e.gate_up_proj, gate_up) and torch.equal(e.down_proj, down)
+    assert torch.equal(logits(adapter), unmerged)
+
+
+@pytest.mark.parametrize("family", ["sdar", "sdar_moe"])  # sdar_moe: routed experts adapted in place
+def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_path, ckpts, monkeypatch, family):
     from tests import rl_harness
 
     rl_harness.install(patch=monkeypatch.setattr)
     from jobs.rl import RLJob
 
-    cfg = load_config(demo_args(tmp_path, ckpts["sdar"], **LORA, **{
+    cfg = load_config(demo_args(tmp_path, ckpts[family], family, **LORA, **{
         "experiment.total_step": 2, "training.check_sampler_logp": "true", "optimizer.params.learning_rate": 5e-2}),
         "rl")
     job = RLJob(cfg, progress=False)
@@ -115,10 +146,10 @@ def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_pat
     policy = tmp_path / "run" / "step_2" / "ckpt" / "policy"
     assert {p.name for p in policy.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     assert not (policy / "model.safetensors").exists()
-    assert (policy / "adapter_model.safetensors").stat().st_size < (ckpts["sdar"] / "model.safetensors").stat().st_size
+    assert (policy / "adapter_model.safetensors").stat().st_size < (ckpts[family] / "model.safetensors").stat().st_size
     # save -> load: PeftModel.from_pretrained on the base gives the same logits
     trained = logits(job.adapter)
-    loaded = load_model({"pretrained_model": str(ckpts["sdar"]), "model_base": "sdar", "dtype": "float32"})
+    loaded = load_model({"pretrained_model": str(ckpts[family]), "model_base": family, "dtype": "float32"})
     plain = logits(loaded)
     loaded.model = load_adapter(loaded.model, policy)
     assert torch.equal(logits(loaded), trained) and not torch.equal(plain, trained)
@@ -126,12 +157,12 @@ def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_pat
     out = tmp_path / "merged"
     from jobs.merge_lora import main as merge_main
 
-    assert merge_main(["--base", str(ckpts["sdar"]), "--adapter", str(policy), "--out", str(out),
-                       "--model-base", "sdar"]) == 0  # python -m jobs.merge_lora ...
-    merged = load_model({"pretrained_model": str(out), "model_base": "sdar", "dtype": "float32"})
+    assert merge_main(["--base", str(ckpts[family]), "--adapter", str(policy), "--out", str(out),
+                       "--model-base", family]) == 0  # python -m jobs.merge_lora ...
+    merged = load_model({"pretrained_model": str(out), "model_base": family, "dtype": "float32"})
     assert (logits(merged) - trained).abs().max() < 1e-5
-    ev = load_config(["config=configs/demo/eval_demo.yaml", f"model.pretrained_model={ckpts['sdar']}",
-                      "model.model_base=sdar", f"model.adapter={policy}"], "eval")
+    ev = load_config(["config=configs/demo/eval_demo.yaml", f"model.pretrained_model={ckpts[family]}",
+                      f"model.model_base={family}", f"model.adapter={policy}"], "eval")
     assert (logits(load_model(ev.model)) - trained).abs().max() < 1e-5
 
 
@@ -201,6 +232,11 @@ def test_bad_lora_input_is_one_line(tmp_path, tiny, ckpts):
         load_config(demo_args(tmp_path, ckpts["sdar"], **{**LORA, "lora.rank": 0}), "rl")
     with pytest.raises(ModelLoadError, match=r"match no module .*attn_out.*ff_proj"):
         wrap(tiny("llada"), LoraSettings(enabled=True, target_modules=["o_proj", "nope"]))
+    with pytest.raises(ModelLoadError, match=r"target_parameters \['experts.gate_proj'\] match no expert tensor .*"
+                                             r"experts.gate_up_proj"):
+        wrap(tiny("sdar_moe"), LoraSettings(enabled=True, target_parameters=["experts.gate_proj"]))
+    with pytest.raises(ModelLoadError, match=r"match no expert tensor of this SDARForCausalLM \(it has none\)"):
+        wrap(tiny("sdar"), LoraSettings(enabled=True, target_parameters=["experts.down_proj"]))
     # an adapter trained on another base: sdar's adapter on llada, and on an sdar of another size
     adapter = tiny("sdar")
     wrap(adapter, LoraSettings(enabled=True, rank=4))
@@ -220,8 +256,9 @@ def test_bad_lora_input_is_one_line(tmp_path, tiny, ckpts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["cpu_ddp_2proc.yaml", "cpu_zero2_2proc.yaml", "cpu_zero3_2proc.yaml"])
-def test_lora_under_two_processes_keeps_ranks_identical(tmp_path, ckpts, config):
+@pytest.mark.parametrize("config,family", [("cpu_ddp_2proc.yaml", "sdar"), ("cpu_zero2_2proc.yaml", "sdar"),
+                                           ("cpu_zero3_2proc.yaml", "sdar"), ("cpu_zero3_2proc.yaml", "sdar_moe")])
+def test_lora_under_two_processes_keeps_ranks_identical(tmp_path, ckpts, config, family):
     import os
 
     from safetensors.torch import load_file
@@ -230,10 +267,9 @@ def test_lora_under_two_processes_keeps_ranks_identical(tmp_path, ckpts, config)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RL_HARNESS"))}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RL_HARNESS_DUMP=str(tmp_path / "w"))
-    args = demo_args(tmp_path, ckpts["sdar"], **LORA, **{"experiment.total_step": 2, "experiment.save_every": 2,
-                                                        "rollout.num_task_per_step": 4,
-                                                        "optimizer.params.learning_rate": 5e-2,
-                                                        "training.gradient_checkpointing_enable": "true"})
+    args = demo_args(tmp_path, ckpts[family], family, **LORA, **{
+        "experiment.total_step": 2, "experiment.save_every": 2, "rollout.num_task_per_step": 4,
+        "optimizer.params.learning_rate": 5e-2, "training.gradient_checkpointing_enable": "true"})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()),
            str(ROOT / "tests" / "rl_harness.py"), *args]
@@ -243,5 +279,6 @@ def test_lora_under_two_processes_keeps_ranks_identical(tmp_path, ckpts, config)
     assert ranks[0]["digest"] == ranks[1]["digest"] and ranks[0]["num_processes"] == 2
     adapter = load_file(str(tmp_path / "run" / "step_2" / "ckpt" / "policy" / "adapter_model.safetensors"))
     lora_b = [t for k, t in adapter.items() if "lora_B" in k]
-    assert lora_b and all(t.shape[-1] == LORA["lora.rank"] for t in lora_b)  # whole adapters, not ZeRO-3 shards
+    # whole adapters, not ZeRO-3 shards: [out, rank] (an expert tensor's: [out, rank x experts])
+    assert lora_b and all(t.dim() == 2 and t.shape[-1] in (LORA["lora.rank"], LORA["lora.rank"] * 8) for t in lora_b)
     assert max(float(t.float().abs().max()) for t in lora_b) > 0  # B starts at 0: the adapters were trained

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from models.common import AttentionLayout
 from models.moe import (
-    ExpertMLP,
-    grouped_expert_compute,
+    FusedExperts,
+    SparseMoeBlock,
+    checkpoint_state_dict,
+    grouped_mm_runs,
     is_moe_layer,
     load_balancing_loss,
     naive_expert_compute,
@@ -30,24 +31,77 @@ def test_softmax_top2_routing_renormalised_and_not():
                                rtol=0)
 
 
-def test_grouped_compute_equals_every_expert_on_every_token():
-    torch.manual_seed(0)
-    experts = nn.ModuleList(ExpertMLP(16, 24) for _ in range(6))
-    x = torch.randn(37, 16)
+def _experts(n: int, hidden: int, inner: int, seed: int = 0) -> FusedExperts:
+    torch.manual_seed(seed)
+    experts = FusedExperts(n, hidden, inner)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    return experts
+
+
+@pytest.mark.parametrize("hidden,inner,grouped", [(16, 24, True), (6, 10, False)])
+def test_grouped_compute_equals_every_expert_on_every_token(hidden, inner, grouped):
+    """Grouped product (rows 16-byte aligned) and the per-expert split (not aligned): values and gradients."""
+    experts = _experts(6, hidden, inner)
+    x = torch.randn(37, hidden, requires_grad=True)
     w, idx = softmax_topk_routing(torch.randn(37, 6), 3, normalize=True)
-    torch.testing.assert_close(grouped_expert_compute(x, w, idx, experts), naive_expert_compute(x, w, idx, experts),
-                               atol=1e-6, rtol=0)
+    assert grouped_mm_runs(x, experts.gate_up_proj) == grouped
+    out = experts(x, w, idx)
+    ref = naive_expert_compute(x, w, idx, experts)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    probe = torch.randn_like(out)
+    got = torch.autograd.grad((out * probe).sum(), [x, *experts.parameters()])
+    want = torch.autograd.grad((ref * probe).sum(), [x, *experts.parameters()])
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
 
 
 def test_grouped_compute_with_an_unused_expert_and_no_tokens():
-    torch.manual_seed(0)
-    experts = nn.ModuleList(ExpertMLP(8, 8) for _ in range(4))
+    experts = _experts(4, 8, 8)
     x = torch.randn(3, 8)
     idx = torch.tensor([[0, 1], [1, 0], [0, 1]])  # experts 2 and 3 get no token
     w = torch.full((3, 2), 0.5)
-    torch.testing.assert_close(grouped_expert_compute(x, w, idx, experts), naive_expert_compute(x, w, idx, experts),
-                               atol=1e-6, rtol=0)
-    assert grouped_expert_compute(x[:0], w[:0], idx[:0], experts).shape == (0, 8)
+    torch.testing.assert_close(experts(x, w, idx), naive_expert_compute(x, w, idx, experts), atol=1e-6, rtol=0)
+    assert experts(x[:0], w[:0], idx[:0]).shape == (0, 8)
+
+
+def test_the_moe_forward_reads_nothing_back_to_the_host():
+    """On the meta device a tensor has no data: a host read (``.tolist()``, ``.item()``, a data-dependent shape)
+    fails there. The block's forward runs there in bf16, the grouped product's CUDA dtype: on CUDA it never waits
+    for the device. The per-expert split (rows not 16-byte aligned) does read the counts, and fails."""
+    cfg = SDARMoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    with torch.device("meta"):
+        block = SparseMoeBlock(cfg).to(torch.bfloat16)
+        out = block(torch.randn(2, 5, 32, dtype=torch.bfloat16))
+        assert out.shape == (2, 5, 32) and out.device.type == "meta"
+        unaligned = SparseMoeBlock(SDARMoeConfig(hidden_size=32, moe_intermediate_size=12, num_experts=8,
+                                                 num_experts_per_tok=2)).to(torch.bfloat16)
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            unaligned(torch.randn(2, 5, 32, dtype=torch.bfloat16))
+
+
+def test_experts_are_fused_in_memory_and_per_expert_on_disk(tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = SDARMoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=8, block_size=4, mask_token_id=63)
+    torch.manual_seed(0)
+    model = SDARMoeForCausalLM(cfg)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 16, 16)  # [E, 2I, H]
+    model.save_pretrained(tmp_path)
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    expected = checkpoint_state_dict(model.state_dict())
+    assert sorted(on_disk) == sorted(expected)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in on_disk and not any("gate_up" in k for k in on_disk)
+    assert all(torch.equal(on_disk[k], expected[k]) for k in on_disk)
+    gate, up, down = model.model.layers[1].mlp.experts.expert(3)
+    assert torch.equal(on_disk["model.layers.1.mlp.experts.3.gate_proj.weight"], gate)
+    assert torch.equal(on_disk["model.layers.1.mlp.experts.3.up_proj.weight"], up)
+    assert torch.equal(on_disk["model.layers.1.mlp.experts.3.down_proj.weight"], down)
+    loaded = SDARMoeForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
 
 
 def test_load_balancing_loss_by_hand():
@@ -81,11 +135,15 @@ def test_logits_equal_transformers_qwen3_moe_with_the_same_state_dict(tmp_path):
     from safetensors.torch import load_file
 
     ref, ours = _tiny_pair()
-    ref.save_pretrained(tmp_path)  # transformers fuses experts in memory and writes per-expert tensors on disk
-    ref_sd = load_file(str(tmp_path / "model.safetensors"))
-    assert sorted(ours.state_dict()) == sorted(ref_sd)  # the public key names, nothing more or less
+    # both fuse experts in memory (the same layout) and write per-expert tensors on disk (the same names)
+    assert sorted(ours.state_dict()) == sorted(ref.state_dict())
+    ref.save_pretrained(tmp_path / "ref")
+    ours.save_pretrained(tmp_path / "ours")
+    ref_sd = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    assert sorted(load_file(str(tmp_path / "ours" / "model.safetensors"))) == sorted(ref_sd)
     assert "model.layers.1.mlp.gate_proj.weight" in ref_sd  # mlp_only_layers: dense layer 1 on both sides
-    ours.load_state_dict(ref_sd)
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in ref_sd
+    ours.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(11).expand(2, 11)
     with torch.no_grad():
@@ -96,13 +154,15 @@ def test_logits_equal_transformers_qwen3_moe_with_the_same_state_dict(tmp_path):
 
 
 def test_save_and_load_round_trip_keeps_keys_and_logits(tmp_path, tiny, demo_tokenizer):
+    from safetensors.torch import load_file
+
     a = tiny("sdar_moe", seed=2)
     a.model.save_pretrained(tmp_path)
     demo_tokenizer.save_pretrained(tmp_path)
     b = load_model({"pretrained_model": str(tmp_path), "model_base": "sdar_moe"})
     assert type(b.model) is SDARMoeForCausalLM and b.model.config.model_type == "sdar_moe"
     assert sorted(b.model.state_dict()) == sorted(a.model.state_dict())
-    assert any(k.endswith("mlp.experts.7.down_proj.weight") for k in b.model.state_dict())
+    assert any(k.endswith("mlp.experts.7.down_proj.weight") for k in load_file(str(tmp_path / "model.safetensors")))
     ids = torch.tensor([demo_tokenizer.encode("The quick brown fox")])
     pos = torch.arange(ids.shape[1])[None]
     layout = AttentionLayout.block_causal(pos, 4)
@@ -166,8 +226,9 @@ def test_the_router_aux_loss_trains_the_router_when_the_config_asks(demo_tokeniz
 @pytest.mark.slow
 @pytest.mark.parametrize("base", ["sdar_moe", "llada2", "llada_moe"])
 def test_zero3_two_process_sft_of_the_moe_families(tmp_path, demo_tokenizer, base):
-    """Under ZeRO-3 an expert's weights are gathered by a collective when its module runs: every rank must run every
-    expert, also one that got none of its tokens (else the ranks wait on each other for ever)."""
+    """Under ZeRO-3 the fused expert tensors are gathered by a collective when the experts module runs: ranks whose
+    tokens leave different experts idle still gather the same tensors (else they would wait on each other for ever),
+    and transformers fuses the per-expert checkpoint tensors into partitioned parameters and splits them on save."""
     from safetensors.torch import load_file
 
     from models.tiny import build_tiny
@@ -189,25 +250,6 @@ def test_zero3_two_process_sft_of_the_moe_families(tmp_path, demo_tokenizer, bas
     start = load_file(str(ckpt / "model.safetensors"))
     end = load_file(str(out / "model.safetensors"))
     assert set(start) == set(end) and max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
-
-
-def test_every_expert_runs_when_zero3_partitions_them(monkeypatch):
-    torch.manual_seed(0)
-    experts = nn.ModuleList(ExpertMLP(8, 16) for _ in range(4))
-    x, index = torch.randn(3, 8), torch.tensor([[0], [0], [2]])  # experts 1 and 3 get no token
-    weights = torch.ones(3, 1)
-    calls = []
-    for e, expert in enumerate(experts):
-        expert.register_forward_hook(lambda _m, inp, _o, e=e: calls.append((e, inp[0].shape[0])))
-    expected = naive_expert_compute(x, weights, index, experts)
-    grouped_expert_compute(x, weights, index, experts)
-    assert calls[4:] == [(0, 2), (2, 1)]  # (the first four: the naive reference) idle experts are skipped
-    calls.clear()
-    for p in experts.parameters():
-        p.ds_id = 0  # what DeepSpeed ZeRO-3 sets on the parameters it partitions
-    out = grouped_expert_compute(x, weights, index, experts)
-    assert calls == [(0, 2), (1, 0), (2, 1), (3, 0)]  # every rank gathers every expert, in order
-    torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.parametrize("base", ["llada2", "llada_moe"])

@@ -137,7 +137,15 @@ def state_dict_patterns(model) -> dict[str, int]:
     from collections import Counter
 
     fold = lambda k: re.sub(r"\.experts\.\d+\.", ".experts.{E}.", re.sub(r"\.layers\.\d+\.", ".layers.{N}.", k))  # noqa: E731
-    return dict(Counter(fold(k) for k in model.state_dict()))
+    return dict(Counter(fold(k) for k in on_disk_names(model)))
+
+
+def on_disk_names(model) -> list[str]:
+    """The names ``save_pretrained`` writes: a MoE family's fused experts split back per expert (transformers'
+    weight conversions, models/moe.py ``register_fused_experts``)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return list(revert_weight_conversion(model, model.state_dict()))
 
 
 @pytest.mark.parametrize("name", ["LLaDA2.0-mini", "LLaDA2.1-mini"])

@@ -31,7 +31,7 @@ from models.base import BackboneMixin, LMHeadMixin
 from models.common import AttentionLayout, KVCache, attend
 from models.layers import Projections, RMSNorm, attention_heads, init_linear_normal, merge_heads
 from models.llada2.configuration_llada2_moe import LLaDA2MoeConfig
-from models.moe import ExpertMLP, grouped_expert_compute, sigmoid_group_limited_routing
+from models.moe import ExpertMLP, FusedExperts, register_fused_experts, sigmoid_group_limited_routing
 from models.qwen_layers import QwenLMHeadMixin, QwenMLP
 
 
@@ -76,8 +76,7 @@ class LLaDA2SparseMoeBlock(nn.Module):
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__()
         self.config = config
-        self.experts = nn.ModuleList(ExpertMLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.gate = LLaDA2Router(config)
         self.shared_experts = (ExpertMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
                                if config.num_shared_experts else None)
@@ -94,7 +93,7 @@ class LLaDA2SparseMoeBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         _, weights, index = self.route(flat)
-        out = grouped_expert_compute(flat, weights.to(x.dtype), index, self.experts)
+        out = self.experts(flat, weights, index)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.reshape(x.shape)
@@ -169,3 +168,7 @@ class LLaDA2MoeModelLM(LMHeadMixin, QwenLMHeadMixin, LLaDA2MoePreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.word_embeddings
+
+
+# per-expert tensors on disk, fused in memory (models/moe.py)
+register_fused_experts(LLaDA2MoeModelLM.__name__, LLaDA2MoeModel.__name__)

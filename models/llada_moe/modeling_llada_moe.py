@@ -27,7 +27,7 @@ from models.base import BackboneMixin, LMHeadMixin
 from models.common import AttentionLayout, KVCache, attend
 from models.layers import RMSNorm, apply_rope, init_linear_normal, merge_heads
 from models.llada_moe.configuration_llada_moe import LLaDAMoEConfig
-from models.moe import ExpertMLP, MoeBackboneMixin, SparseMoeBlock
+from models.moe import ExpertMLP, MoeBackboneMixin, SparseMoeBlock, register_fused_experts
 from models.qwen_layers import QwenAttention, QwenBackboneMixin, QwenLMHeadMixin, QwenMLP
 
 
@@ -115,3 +115,7 @@ class LLaDAMoEModelLM(LMHeadMixin, QwenLMHeadMixin, LLaDAMoEPreTrainedModel):
         super().__init__(config)
         self.build_head(config, LLaDAMoEModel)
         self.post_init()
+
+
+# per-expert tensors on disk, fused in memory (models/moe.py)
+register_fused_experts(LLaDAMoEModelLM.__name__, LLaDAMoEModel.__name__)

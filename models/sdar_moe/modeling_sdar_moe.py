@@ -5,7 +5,7 @@ the public checkpoint's (``mlp.gate.weight``, ``mlp.experts.{i}.{gate,up,down}_p
 
 from __future__ import annotations
 
-from models.moe import MoeBackboneMixin, SparseMoeBlock, is_moe_layer
+from models.moe import MoeBackboneMixin, SparseMoeBlock, is_moe_layer, register_fused_experts
 from models.sdar.modeling_sdar import SDARForCausalLM, SDARModel, SDARPreTrainedModel
 from models.sdar_moe.configuration_sdar_moe import SDARMoeConfig
 
@@ -30,3 +30,7 @@ class SDARMoeForCausalLM(SDARForCausalLM):
         SDARPreTrainedModel.__init__(self, config)
         self.build_head(config, SDARMoeModel)
         self.post_init()
+
+
+# per-expert tensors on disk, fused in memory (models/moe.py)
+register_fused_experts(SDARMoeForCausalLM.__name__, SDARMoeModel.__name__)
