@@ -133,7 +133,9 @@ def _per_expert_product(rows: Tensor, weight: Tensor, counts: Tensor, grouped: b
     if grouped if grouped is not None else grouped_mm_runs(rows, weight):
         return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
     sizes = counts.tolist()  # a host copy: only where the grouped product cannot run
-    outs = [F.linear(chunk, weight[e]) for e, chunk in enumerate(rows.split(sizes)) if sizes[e]]
+    # unbind, not weight[e]: the backward of E index views would add E gradients the size of the whole tensor
+    per_expert = weight.unbind(0)
+    outs = [F.linear(chunk, per_expert[e]) for e, chunk in enumerate(rows.split(sizes)) if sizes[e]]
     return torch.cat(outs) if outs else rows.new_zeros((0, weight.shape[1]))
 
 
@@ -156,9 +158,10 @@ def naive_expert_compute(x: Tensor, weights: Tensor, index: Tensor, experts: Fus
     dense = torch.zeros(x.shape[0], len(experts), dtype=weights.dtype, device=x.device)
     dense.scatter_(1, index, weights)
     out = torch.zeros_like(x)
-    for e in range(len(experts)):
-        gate, up, down = experts.expert(e)
-        out = out + F.linear(silu_mul(F.linear(x, gate), F.linear(x, up)), down) * dense[:, e : e + 1].to(x.dtype)
+    for e, (gate_up, down) in enumerate(zip(experts.gate_up_proj.unbind(0), experts.down_proj.unbind(0),
+                                            strict=True)):
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        out = out + F.linear(silu_mul(gate, up), down) * dense[:, e : e + 1].to(x.dtype)
     return out
 
 
