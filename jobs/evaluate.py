@@ -8,7 +8,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.files import StagedRun, write_atomic
 from core.loader import ConfigError
@@ -21,6 +21,9 @@ from models.registry import ModelLoadError, load_model
 from sample.trace_viewer import build_trace_html
 from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
 
+if TYPE_CHECKING:
+    from models.registry import Adapter
+
 TRACE_SAMPLES = 16
 
 
@@ -31,7 +34,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def sample_scored(adapter: Any, tasks: list[dict], data_type: str, params: Any, execute: Any, seed: int | None,
+def sample_scored(adapter: Adapter, tasks: list[dict], data_type: str, params: Any, execute: Any, seed: int | None,
                   accelerator: Any = None, progress: bool = True, **score_kw: Any) -> tuple[list[Trajectory], dict]:
     """Sample and score every task, each process its share of the tasks (whole prompt groups); returns all
     trajectories in task order (on every process) and the summed sampling stats."""
@@ -52,7 +55,7 @@ def sample_scored(adapter: Any, tasks: list[dict], data_type: str, params: Any, 
     return trajs, total
 
 
-def evaluate(adapter: Any, tasks: list[dict], data_type: str, rollout_cfg: Any, execute: Any, seed: int | None,
+def evaluate(adapter: Adapter, tasks: list[dict], data_type: str, rollout_cfg: Any, execute: Any, seed: int | None,
              out_dir: Path | None, name: str, accelerator: Any = None, progress: bool = True) -> list[dict]:
     """One metrics dict per sampler setting of ``rollout_cfg.runs()``; trajectories and a trace page are written
     to ``out_dir`` (main process) when given."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.loader import ConfigError, as_written
 from core.schema import SettingError, replace
@@ -19,6 +19,9 @@ from reward.math import score_math_batch
 from reward.sandbox import CodeJob, SandboxConfig, code_from_response, run_many
 from sample.generate import Rollout, generate
 from sample.params import SamplingParams
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 
 def load_tasks(name: str, data_type: str, seed: int = 0, n_builtin: int | None = None,
@@ -50,7 +53,7 @@ def _missing_dataset_hint(name: str, data_dir: Path) -> str:
     return f"closest: {close[0]!r}{get}"
 
 
-def check_for_model(section: str, params: SamplingParams, adapter: Any) -> None:
+def check_for_model(section: str, params: SamplingParams, adapter: Adapter) -> None:
     """The sampler rules that need the model (stop words, cache mode, steps vs blocks), as one-line errors."""
     try:
         params.check_for(adapter)
@@ -59,7 +62,7 @@ def check_for_model(section: str, params: SamplingParams, adapter: Any) -> None:
         raise ConfigError(f"key '{key}': {err}", key) from None
 
 
-def rollout_tasks(adapter: Any, tasks: list[dict], data_type: str, params: Any, indices: list[int] | None = None,
+def rollout_tasks(adapter: Adapter, tasks: list[dict], data_type: str, params: Any, indices: list[int] | None = None,
                   progress: bool = True) -> Rollout:
     """Sample ``params.num_response_per_task`` responses to each task ``tasks[i]``, i in ``indices`` (default:
     all, in order). Response j of task i has ``task_index`` i, ``group_id`` "i" and ``sample_id`` "i-j";

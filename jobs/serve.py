@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +33,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from core.errors import UserError
 from jobs.serve_engine import ChoiceResult, RequestError, ServeEngine
 from jobs.serve_engine import Request as EngineRequest
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_size", "denoising_steps",
@@ -143,7 +146,7 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
 # ---------------------------------------------------------------- prompts
 
 
-def _completion_prompts(adapter: Any, prompt: Any) -> list[list[int]]:
+def _completion_prompts(adapter: Adapter, prompt: Any) -> list[list[int]]:
     """Token ids of each prompt: text is tokenized as it is (special-token strings count), ids pass through."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
@@ -159,7 +162,7 @@ def _completion_prompts(adapter: Any, prompt: Any) -> list[list[int]]:
     return out
 
 
-def _chat_prompt(adapter: Any, messages: list[dict[str, Any]]) -> list[int]:
+def _chat_prompt(adapter: Adapter, messages: list[dict[str, Any]]) -> list[int]:
     """The model's chat template over the messages (``adapter.encode_chat``, as eval.py renders prompts)."""
     if not messages:
         raise RequestError(400, "messages must not be empty", "messages")

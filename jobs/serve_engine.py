@@ -42,7 +42,7 @@ import itertools
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +52,9 @@ from models.layers import packed_projections
 from sample.engine import Engine, Finished, Sequence
 from sample.generate import make_sampler, seeded_generator
 from sample.params import SamplingParams
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 UNBOUNDED = 2**31 - 1  # a block group's sampler budget: each sequence carries its own max_tokens
 
@@ -187,7 +190,7 @@ class ServeEngine:
     """Runs requests on one adapter with one driver: its own thread, or (``driver_thread=False``) whichever thread
     calls ``run``; see the module docstring."""
 
-    def __init__(self, adapter: Any, defaults: SamplingParams, max_batch: int = 32, max_queue: int = 256,
+    def __init__(self, adapter: Adapter, defaults: SamplingParams, max_batch: int = 32, max_queue: int = 256,
                  max_prompt_tokens: int | None = None, driver_thread: bool = True):
         self.adapter, self.defaults = adapter, defaults
         self.max_batch, self.max_queue, self.max_prompt_tokens = max_batch, max_queue, max_prompt_tokens

@@ -1,5 +1,4 @@
 """The SFT job behind ``train/sft_<family>.py``: data -> samples -> SFTTrainer steps -> checkpoints.
-
 Data (``dataset.optimization_data``): ``data/<name>.json|.jsonl``, a path to such a file, a ``datasets`` folder
 saved with ``save_to_disk``, ``hub:<org>/<name>[:<split>]`` (a hub dataset, read through the ``datasets`` cache, so
 it works offline once downloaded), or ``builtin:arithmetic``. Rows are ``{prompt, response[, step_map]}`` or chat
@@ -23,7 +22,7 @@ import random
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -41,10 +40,13 @@ from sample.trajectory import Trajectory
 from train.accelerator import build_accelerator
 from train.sft_trainer import SFTTrainer, sft_sample
 
+if TYPE_CHECKING:
+    from models.registry import Adapter
+
 # ------------------------------------------------------------------------------------------ data
 
 
-def turn_end_id(adapter: Any) -> int:
+def turn_end_id(adapter: Adapter) -> int:
     """The token closing an SFT response: the family's turn end (``<|im_end|>``, ``<|eot_id|>``, ``<|role_end|>``),
     or EOS when the tokenizer has no such token (the demo tokenizer under a LLaDA / LLaDA2 model): the sampler
     stops on either (``Adapter.stop_ids``)."""
@@ -125,7 +127,7 @@ def _check_row(row: Any, where: str, i: int) -> dict:
     return row
 
 
-def build_samples(rows: list[dict], adapter: Any, where: str) -> list[Trajectory]:
+def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajectory]:
     """Token-level samples (prompt ids, response ids closed by the turn-end token, step map)."""
     end = turn_end_id(adapter)
     tok = adapter.tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +16,9 @@ from sample.engine import RolloutStats, run_engine
 from sample.full_sampler import FullSampler
 from sample.params import SamplingParams
 from sample.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 __all__ = ["Rollout", "RolloutStats", "encode_prompt", "generate", "make_sampler", "seeded_generator"]
 
@@ -30,7 +33,7 @@ class Rollout(list[Trajectory]):
         self.stats = stats
 
 
-def encode_prompt(adapter: Any, prompt: Prompt) -> list[int]:
+def encode_prompt(adapter: Adapter, prompt: Prompt) -> list[int]:
     """Token ids of a prompt given as ids, as one user turn (str), or as chat messages (list of dicts)."""
     if isinstance(prompt, torch.Tensor):
         return [int(t) for t in prompt.reshape(-1).tolist()]
@@ -41,7 +44,7 @@ def encode_prompt(adapter: Any, prompt: Prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def generate(adapter: Any, prompts: Sequence[Prompt] | str, params: SamplingParams | None = None,
+def generate(adapter: Adapter, prompts: Sequence[Prompt] | str, params: SamplingParams | None = None,
              progress: bool = True) -> Rollout:
     """Sample one response per prompt with any adapter (block or full attention); see sample/*_sampler.py."""
     params = params or SamplingParams()
@@ -71,7 +74,7 @@ def generate(adapter: Any, prompts: Sequence[Prompt] | str, params: SamplingPara
     return Rollout(trajectories, sampler.stats)
 
 
-def make_sampler(adapter: Any, params: SamplingParams, stop_ids: set[int], limit: int | None,
+def make_sampler(adapter: Adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,
                  generator: torch.Generator) -> BlockSampler | FullSampler:
     """The sampler of the adapter's attention kind (``generate`` and the server's settings groups)."""
     if adapter.attention == "block":
@@ -81,7 +84,7 @@ def make_sampler(adapter: Any, params: SamplingParams, stop_ids: set[int], limit
     raise ValueError(f"adapter.attention must be 'block' or 'full', got {adapter.attention!r}")
 
 
-def seeded_generator(adapter: Any, seed: int | None) -> torch.Generator:
+def seeded_generator(adapter: Adapter, seed: int | None) -> torch.Generator:
     """A generator on the model's device, seeded with ``seed`` (None: a nondeterministic seed)."""
     device = next(adapter.model.parameters()).device
     gen = torch.Generator(device=device)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from core.schema import SettingError, Settings, bounded
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 Strategy = Literal["low_confidence_static", "low_confidence_dynamic", "sequential", "entropy_bounded"]
 CacheMode = Literal["none", "prefix", "dual"]
@@ -91,7 +94,7 @@ class SamplingParams(Settings):
             return model_block
         return FULL_ATTENTION_BLOCK
 
-    def check_for(self, adapter: Any) -> None:
+    def check_for(self, adapter: Adapter) -> None:
         """Rules that need the model: raise SettingError (naming the field) before any sampling starts."""
         block = self.block_for(adapter.attention, adapter.block_size)
         if adapter.attention == "block":

@@ -1,5 +1,4 @@
 """Log-likelihood of a continuation given a context under a diffusion LM (lm-eval's ``loglikelihood``).
-
 A masked-diffusion model gives no exact joint probability of several tokens: it gives the conditional of each masked
 token given the visible ones, and its log-likelihood is bounded below by the ELBO
 
@@ -22,7 +21,7 @@ Draws are stratified over l (each l in 1..L equally often when ``mc_num`` is a m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -30,6 +29,9 @@ from torch import Tensor
 from models.common import predicting_columns
 from train.layouts import Segment, clean_segment, collate_rows
 from train.logprobs import gather_hidden, token_logprobs
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 
 @dataclass
@@ -42,7 +44,7 @@ class _Draw:
     weights: Tensor
 
 
-def continuation_elbo(adapter: Any, context: list[int], continuation: list[int], mc_num: int,
+def continuation_elbo(adapter: Adapter, context: list[int], continuation: list[int], mc_num: int,
                       generator: torch.Generator, batch_size: int = 32) -> float:
     """The (estimated) ELBO of ``continuation`` after ``context``: block-causal per block for block models,
     over the whole continuation for full-attention models (see the module docstring)."""
@@ -72,7 +74,7 @@ def _masked_subset(n: int, count: int, generator: torch.Generator) -> Tensor:
     return order < count
 
 
-def _full_draw(adapter: Any, context: list[int], continuation: list[int], count: int,
+def _full_draw(adapter: Adapter, context: list[int], continuation: list[int], count: int,
                generator: torch.Generator) -> _Draw:
     p, n = len(context), len(continuation)
     target = torch.tensor(continuation, dtype=torch.long)
@@ -84,7 +86,7 @@ def _full_draw(adapter: Any, context: list[int], continuation: list[int], count:
     return _Draw([clean_segment(noisy, None)], cols, target[hit], torch.full((len(hit),), n / count))
 
 
-def _block_draw(adapter: Any, context: list[int], continuation: list[int], counts: list[int],
+def _block_draw(adapter: Adapter, context: list[int], continuation: list[int], counts: list[int],
                 generator: torch.Generator) -> _Draw:
     """One row: the clean sequence up to the last block, then a noisy copy of every block holding continuation
     tokens, ``counts[j]`` of them masked in the j-th; copies see clean earlier blocks and themselves only."""
@@ -112,7 +114,7 @@ def _block_draw(adapter: Any, context: list[int], continuation: list[int], count
     return _Draw(segments, torch.cat(cols), torch.cat(labels), torch.cat(weights))
 
 
-def _draw_scores(adapter: Any, draws: list[_Draw], batch_size: int) -> Tensor:
+def _draw_scores(adapter: Adapter, draws: list[_Draw], batch_size: int) -> Tensor:
     """Per draw: sum over its masked tokens of weight * log p(token), the rows run ``batch_size`` at a time."""
     device = next(adapter.model.parameters()).device
     scores = []

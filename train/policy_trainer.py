@@ -9,7 +9,7 @@ frozen reference model.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -21,13 +21,16 @@ from train.loss import LossOutput
 from train.settings import LRSchedulerConfig, OptimizerParams, RLTrainingConfig
 from train.trainer import Plan, Trainer
 
+if TYPE_CHECKING:
+    from models.registry import Adapter
+
 __all__ = ["PolicyTrainer", "Plan"]
 
 
 class PolicyTrainer(Trainer):
     """Trains ``adapter.model`` with the clipped policy-gradient loss on trajectories and their advantages."""
 
-    def __init__(self, adapter: Any, cfg: RLTrainingConfig, optimizer: OptimizerParams | None = None,
+    def __init__(self, adapter: Adapter, cfg: RLTrainingConfig, optimizer: OptimizerParams | None = None,
                  lr_scheduler: LRSchedulerConfig | None = None, total_steps: int | None = None,
                  accelerator: Any = None, ref_model: Any = None):
         super().__init__(adapter, cfg, optimizer, lr_scheduler, total_steps, accelerator)

@@ -8,7 +8,7 @@ Samples are ``Trajectory`` records of (prompt, response[, step map]); the SFT me
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -20,6 +20,9 @@ from train.batch import TrainBatch
 from train.loss import LossOutput
 from train.settings import SFTTrainingConfig
 from train.trainer import Trainer
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 
 def sft_sample(prompt_ids: list[int], response_ids: list[int], sample_id: str, step_map: list[int] | None = None,
@@ -44,7 +47,7 @@ def nll_loss(logp: Tensor, weights: Tensor) -> LossOutput:
 class SFTTrainer(Trainer):
     """Outputs are the log-probs of the trained tokens, the loss is their NLL; everything else is the core's."""
 
-    def __init__(self, adapter: Any, cfg: SFTTrainingConfig, *args: Any, **kwargs: Any):
+    def __init__(self, adapter: Adapter, cfg: SFTTrainingConfig, *args: Any, **kwargs: Any):
         if cfg.view_method(adapter.attention) == "ar" and not adapter.shift_logits:
             raise ConfigError("key 'training.method': ar SFT needs a model adapted from an AR model (shifted logits: "
                               f"Dream / DiffuCoder); {adapter.model_base} would see the token it predicts",

@@ -1,5 +1,4 @@
 """Trainer: the optimisation core every objective shares (policy, value, SFT): hooks over one loop.
-
 One ``train_step(trajectories, targets)`` = views -> micro-batches -> old outputs -> optimiser steps. Subclasses
 override only the hooks they change (the policy, value and SFT trainers do):
 * ``build_views(trajectories, targets)`` -> one TrainBatch per optimiser step (this process's shard),
@@ -24,7 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -38,6 +37,9 @@ from train.loss import LOSS_KEYS, LossOutput, finalize_metrics, sum_metrics
 from train.schedules import LRSchedule
 from train.settings import LRSchedulerConfig, OptimizerParams, TrainerSettings
 from train.views import ModelTraits, build_view
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ def shard_steps(trajectories: Sequence[Trajectory], rank: int, world: int, sampl
 class Trainer:
     """Trains ``adapter.model`` on trajectories; the objective comes from the hooks (see module docstring)."""
 
-    def __init__(self, adapter: Any, cfg: TrainerSettings, optimizer: OptimizerParams | None = None,
+    def __init__(self, adapter: Adapter, cfg: TrainerSettings, optimizer: OptimizerParams | None = None,
                  lr_scheduler: LRSchedulerConfig | None = None, total_steps: int | None = None,
                  accelerator: Any = None):
         """``cfg``: the trainer settings plus the view settings (a training config section); ``total_steps``:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from models.registry import Adapter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +28,7 @@ class ModelTraits:
             raise ValueError("shifted logits are not supported for block-attention models")
 
     @classmethod
-    def from_adapter(cls, adapter: Any) -> ModelTraits:
+    def from_adapter(cls, adapter: Adapter) -> ModelTraits:
         return cls(mask_id=adapter.mask_id, pad_id=adapter.pad_id, attention=adapter.attention,
                    block_size=adapter.block_size if adapter.attention == "block" else None,
                    shift_logits=adapter.shift_logits)
