@@ -120,6 +120,28 @@ def test_merged_sampling_of_adapted_expert_tensors_restores_them_bit_for_bit(tin
     assert torch.equal(logits(adapter), unmerged)
 
 
+def test_a_moe_value_model_adapts_its_backbone_experts_and_trains_its_head_whole(tiny):
+    """jobs/rl.py's LoRA value model on a MoE policy: the backbone's fused experts adapted in place (the family's
+    target parameters), the value head trained whole, values zero at the start (zero head)."""
+    from models.lora import wrapped_model
+    from models.registry import family_spec
+    from models.value import value_model_from_policy
+
+    spec = family_spec("llada2")
+    value = value_model_from_policy(tiny("llada2").model)
+    model = wrapped_model(value, LoraSettings(enabled=True, rank=4, alpha=8), spec.lora_targets,
+                          family_parameters=spec.lora_parameters, also_save=("value_head",))
+    tensors = {"experts." + m.parameter_name for m in model.modules() if hasattr(m, "parameter_name")}
+    assert tensors == set(spec.lora_parameters)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("value_head" in n for n in trainable) and all("lora_" in n or "value_head" in n for n in trainable)
+    ids = torch.randint(0, 200, (2, 8), generator=torch.Generator().manual_seed(0))
+    values = model(ids, torch.arange(8).expand(2, 8), AttentionLayout.full(torch.ones(2, 8, dtype=torch.bool)))
+    assert values.shape == (2, 8) and torch.equal(values, torch.zeros_like(values))
+    (values - 1).square().sum().backward()  # a loss away from 0: the head gets a gradient
+    assert float(model.base_model.model.value_head.modules_to_save["default"].weight.grad.abs().max()) > 0
+
+
 @pytest.mark.parametrize("family", ["sdar", "sdar_moe"])  # sdar_moe: routed experts adapted in place
 def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_path, ckpts, monkeypatch, family):
     from tests import rl_harness
