@@ -21,8 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.sdar import SDARConfig, SDARForCausalLM  # noqa: E402
-from tests.launched import leave  # noqa: E402
-from train.accelerator import assert_world_size, build_accelerator  # noqa: E402
+from tests.launched import (
+    assert_world_size,  # noqa: E402
+    leave,  # noqa: E402
+)
+from train.accelerator import build_accelerator  # noqa: E402
 
 VOCAB, MASK, LR, CLIP = 64, 63, 1e-2, 1.0
 

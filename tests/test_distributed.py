@@ -123,7 +123,7 @@ def test_accelerate_configs_are_generated_and_valid():
 
 
 def test_assert_world_size():
-    from train.accelerator import assert_world_size
+    from tests.launched import assert_world_size
 
     assert_world_size(SimpleNamespace(num_processes=2, distributed_type="MULTI_CPU"), 2)
     with pytest.raises(RuntimeError, match="expected 2 processes but accelerate sees 1"):

@@ -73,9 +73,9 @@ def main() -> None:
 
     from models.registry import Adapter
     from models.sdar import SDARConfig, SDARForCausalLM
-    from tests.launched import leave
+    from tests.launched import assert_world_size, leave
     from tests.test_train_views import fake_block_trajectory
-    from train.accelerator import assert_world_size, build_accelerator
+    from train.accelerator import build_accelerator
     from train.policy_trainer import PolicyTrainer
     from train.settings import OptimizerParams, RLTrainingConfig
     from train.views import ModelTraits, build_view

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sample.trajectory import Trajectory
-from train.algorithms.tracerl import collapse_k_unique
+from train.algorithms.tracerl import group_ranks
 from train.views import ModelTraits, ViewConfig, build_view
 
 MASK, PAD, STOP = 99, 0, 1
@@ -68,6 +68,12 @@ def trained_sets(batch) -> dict[int, list[int]]:
 
 
 # ---------------------------------------------------------------- shrink
+
+
+def collapse_k_unique(steps: list[int], k: int) -> list[int]:
+    """The reference's collapse_k_unique over one group, through ``group_ranks``."""
+    steps = torch.as_tensor(steps, dtype=torch.long)
+    return group_ranks(torch.zeros_like(steps), steps, k)[1].tolist()
 
 
 def test_collapse_k_unique_matches_reference_example():

@@ -88,17 +88,6 @@ def _fill_deepspeed_config(accelerator: Accelerator, micro_batch_size: int) -> N
         cfg["zero_force_ds_cpu_optimizer"] = False
 
 
-def assert_world_size(accelerator: Accelerator, expected: int) -> None:
-    """Fail loudly when the run has a different number of processes than launched (e.g. a silent 1-process
-    fallback of ``accelerate launch --cpu`` or a CPU run without a process group)."""
-    if accelerator.num_processes != expected:
-        raise RuntimeError(
-            f"expected {expected} processes but accelerate sees {accelerator.num_processes} "
-            f"(distributed_type={accelerator.distributed_type}); on CPU use `accelerate launch --multi_gpu "
-            "--num_processes N` (or a MULTI_GPU / DEEPSPEED config) and build_accelerator()"
-        )
-
-
 def gather_objects(accelerator: Any, items: list) -> list:
     """Every process's ``items`` (picklable objects) concatenated in rank order, on every process."""
     if accelerator is None or accelerator.num_processes == 1:

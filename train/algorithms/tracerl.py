@@ -15,8 +15,6 @@ only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
@@ -44,12 +42,6 @@ def group_ranks(group: Tensor, steps: Tensor, shrink: int = 1) -> tuple[Tensor, 
     run = (idx - start) // shrink
     top = torch.minimum(start + run * shrink + shrink - 1, end)
     return (run + 1)[inverse], uvalue[top][inverse]
-
-
-def collapse_k_unique(steps: Sequence[int] | Tensor, k: int) -> list[int]:
-    """As the reference's collapse_k_unique: ``[5,3,3,7]``, k=2 -> ``[5,5,5,7]``; k=1 is the identity."""
-    steps = torch.as_tensor(steps, dtype=torch.long)
-    return group_ranks(torch.zeros_like(steps), steps, k)[1].tolist()
 
 
 class TraceRL(Algorithm):
