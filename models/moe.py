@@ -5,14 +5,15 @@ Parameter names match the public checkpoints (SDAR-30B-A3B, Qwen3-MoE, LLaDA2, L
 (the router), ``experts.{i}.{gate,up,down}_proj.weight``. In memory a layer's experts are two tensors
 (``FusedExperts``, transformers 5's Qwen3-MoE layout): ``experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows,
 then its up rows) and ``experts.down_proj`` [E, H, I]. ``from_pretrained`` fuses the per-expert tensors on load and
-``save_pretrained`` splits them back (transformers' weight conversions, registered per model type by
+``save_pretrained`` splits them back (transformers' weight conversions, registered per model class by
 ``register_fused_experts``), so checkpoints keep the public names.
 
 Grouped compute: the (token, slot) pairs are sorted by expert (argsort), per-expert counts come from a scatter, and
 one grouped matrix product (``torch._grouped_mm``, offsets = the counts' running sum) multiplies each expert's rows by
-its own weights only. Nothing is read back to the host, so on CUDA the forward never waits for the device (tested on
-the meta device, where a host read fails). Where the grouped product cannot run (an fp32 or fp16 CUDA tensor, a row
-width that is not a multiple of 16 bytes) the rows are split by the counts on the host, one product per expert.
+its own weights only. Nothing is read back to the host, so the forward never waits for the device (tested on the
+meta device, where a host read fails). On CUDA that holds in bf16 on Hopper or newer; elsewhere on CUDA (fp32,
+fp16, an older GPU, whose grouped product would copy the offsets to the host itself) and for rows not a multiple of
+16 bytes wide, the rows are split by the counts on the host, one product per expert.
 Under DeepSpeed ZeRO-3 the two tensors are gathered when the ``experts`` module runs, the same on every rank.
 """
 
@@ -140,12 +141,14 @@ def _per_expert_product(rows: Tensor, weight: Tensor, counts: Tensor, grouped: b
 
 
 def grouped_mm_runs(rows: Tensor, weight: Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: its CPU kernel fp32 / bf16 / fp16, its CUDA one bf16 on
-    compute capability 8.0 or newer; both need rows and weight rows a multiple of 16 bytes wide."""
+    """Whether ``torch._grouped_mm`` takes these operands without waiting for the device: on CPU in fp32 / bf16 /
+    fp16; on CUDA in bf16 on compute capability 9.0 or newer (Hopper's fused kernel; before it torch runs a loop that
+    copies the offsets to the host, pytorch/pytorch#161407, #186620). Rows and weight rows must be a multiple of 16
+    bytes wide."""
     if not hasattr(torch, "_grouped_mm") or rows.dtype != weight.dtype:
         return False
     if rows.device.type == "cuda":
-        if rows.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (8, 0):
+        if rows.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (9, 0):
             return False
     elif rows.device.type not in ("cpu", "meta") or rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False

@@ -117,6 +117,8 @@ def test_moe_layer_in_bf16_never_waits_for_the_device_and_equals_the_per_expert_
 
     from models.moe import SparseMoeBlock, grouped_expert_compute, grouped_mm_runs
 
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch's fused grouped product needs Hopper or newer (older GPUs take the per-expert split)")
     torch.manual_seed(0)
     cfg = SimpleNamespace(hidden_size=256, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
                           norm_topk_prob=True)
