@@ -36,7 +36,7 @@ class Trajectory:
     prompt_ids: list[int]
     response_ids: list[int]
     step_map: list[int]
-    logprobs: list[float]
+    logprobs: list[float]  # [] = not recorded (an SFT sample from data): training sees NaN old log-probs
     finish_reason: str = "length"
     text: str = ""
     confidences: list[float] = field(default_factory=list)
@@ -52,7 +52,7 @@ class Trajectory:
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
-        if len(self.step_map) != n or len(self.logprobs) != n:
+        if len(self.step_map) != n or len(self.logprobs) not in (0, n):
             raise ValueError(
                 f"trajectory {self.sample_id!r}: response has {n} tokens but step_map has {len(self.step_map)} "
                 f"and logprobs {len(self.logprobs)}"

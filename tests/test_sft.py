@@ -78,6 +78,21 @@ def test_sft_loss_equals_a_direct_computation_from_full_logits(tiny, method):
     assert torch.all(batch.input_ids[batch.rows, batch.token_cols] == adapter.mask_id)  # trained = masked
 
 
+def test_an_sft_sample_records_no_log_probs_and_its_view_says_so(tiny):
+    """Nothing sampled an SFT sample: it carries no log-probs (not zeros), and its views' old log-probs are NaN,
+    the value a loss that needed them would refuse."""
+    from sample.trajectory import Trajectory
+
+    sample = sft_sample([5, 6, 7], [20, 21, 22, 23, 24], "a")
+    assert sample.logprobs == [] and sample.step_map == [1, 2, 3, 4, 5]
+    trainer = SFTTrainer(tiny("sdar"), SFTTrainingConfig(method="trace", samples_per_step=None), OptimizerParams(),
+                         accelerator=build_accelerator())
+    batch = build_view([sample], {"a": 1.0}, trainer.cfg, trainer.traits)
+    assert batch.old_logprobs.numel() == 5 and torch.isnan(batch.old_logprobs).all()
+    with pytest.raises(ValueError, match="response has 2 tokens but step_map has 2 and logprobs 1"):
+        Trajectory(prompt_ids=[1], response_ids=[2, 3], step_map=[1, 2], logprobs=[0.0])
+
+
 def test_semi_ar_and_ar_views_of_full_attention_models(tiny):
     dream = tiny("dream", seed=1)
     sample = sft_sample([5, 6, 7], [20, 21, 22, 23, 24], "a")

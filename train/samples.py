@@ -83,7 +83,9 @@ def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig
               for name in ("prompt_ids", "response_ids", "step_map", "tail_ids", "tail_steps")}
     resp, steps, tail, tail_steps = fields["response_ids"], fields["step_map"], fields["tail_ids"], fields["tail_steps"]
     adv_vector = _advantage_vector(traj, adv)
-    logp = torch.tensor(traj.logprobs, dtype=torch.float32)
+    # not recorded (SFT data): NaN, the old log-probs a view cannot reproduce (only losses that need none train on it)
+    logp = (torch.tensor(traj.logprobs, dtype=torch.float32) if traj.logprobs
+            else torch.full((len(resp),), float("nan")))
     kept = len(resp) if cfg.max_gen_length is None else min(len(resp), cfg.max_gen_length)
     truncated = kept < len(resp)
     if truncated:  # cut tokens stay context (tail) for block models; full attention drops them (view inexact)

@@ -27,10 +27,11 @@ if TYPE_CHECKING:
 
 def sft_sample(prompt_ids: list[int], response_ids: list[int], sample_id: str, step_map: list[int] | None = None,
                ends_turn: bool = True) -> Trajectory:
-    """A training sample as a trajectory record: without a step map the response decodes left to right."""
+    """A training sample as a trajectory record (no log-probs: nothing sampled it); without a step map the response
+    decodes left to right."""
     steps = list(step_map) if step_map is not None else list(range(1, len(response_ids) + 1))
     return Trajectory(prompt_ids=list(prompt_ids), response_ids=list(response_ids), step_map=steps,
-                      logprobs=[0.0] * len(response_ids), finish_reason="stop" if ends_turn else "length",
+                      logprobs=[], finish_reason="stop" if ends_turn else "length",
                       sample_id=sample_id, group_id=sample_id)
 
 
