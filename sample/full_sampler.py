@@ -61,7 +61,9 @@ class _Running:
 
 
 class FullSampler:
-    """Samples many prompts with a full-attention adapter; see the module docstring."""
+    """Samples many prompts with a full-attention adapter; see the module docstring. This class recomputes the
+    whole canvas every step (cache="none": exact log-probabilities); ``WindowCachedFullSampler`` overrides the cache
+    hooks (``_reset_cache``, ``_admit_cache``, ``_keep_cache``, ``_hidden``) for cache="prefix" / "dual"."""
 
     def __init__(self, adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,
                  generator: torch.Generator):
@@ -80,7 +82,6 @@ class FullSampler:
         self.num_layers = len(adapter.new_cache().keys)
         self.running: list[_Running] = []
         self.width = 0  # W: prompt columns (left-padded) before the generated region
-        self.runner = _Recompute(self) if params.cache == "none" else _WindowCache(self)
         self._init_state()
 
     def _init_state(self) -> None:
@@ -96,7 +97,7 @@ class FullSampler:
         for name in ("counter", "plen"):
             setattr(self, name, torch.empty(0, **long0))
         self.width = 0
-        self.runner.reset()
+        self._reset_cache()
 
     def check_prompt(self, index: int, prompt: list[int]) -> int:
         """The response budget; a clear error when prompt + canvas does not fit the model's positions."""
@@ -131,7 +132,7 @@ class FullSampler:
                "counter": zeros_n, "plen": plen}
         for name in _STATE:
             setattr(self, name, torch.cat([getattr(self, name), add[name]]))
-        self.runner.admit(n)
+        self._admit_cache(n)
         self.running.extend(_Running(s, masks_left=self.bl) for s in sequences)
 
     def drop(self, rows: list[int]) -> None:
@@ -169,7 +170,7 @@ class FullSampler:
         self.running = [self.running[i] for i in keep_list]
         for name in _STATE:
             setattr(self, name, getattr(self, name)[keep])
-        self.runner.keep(keep)
+        self._keep_cache(keep)
         new_width = max(len(r.seq.prompt) for r in self.running)
         if new_width < self.width:
             cut = self.width - new_width
@@ -194,7 +195,7 @@ class FullSampler:
         counters = torch.tensor([[r.blk, r.t_block] for r in self.running], dtype=torch.long)
         self.blk, self.t_block = counters.to(self.device).unbind(1)  # this step's, from the host counters
         cand, cand_valid = self._candidates()
-        hidden = self.runner.hidden(self._predicting_columns(cand))
+        hidden = self._hidden(self._predicting_columns(cand))
         self.stats.denoise_forwards += 1
         draw = draw_tokens(self.adapter.logits(hidden), self.params, self.generator, self.adapter.mask_id,
                            self.adapter.pad_id)
@@ -285,94 +286,79 @@ class FullSampler:
                                 self.bl, toks[cut:], stps[cut:]))
         return out
 
+    # ------------------------------------------------------------ cache hooks (cache="none": none)
 
-# ---------------------------------------------------------------- cache runners
-
-
-class _Recompute:
-    """cache="none": the whole canvas every step (exact log-probabilities)."""
-
-    def __init__(self, sampler: FullSampler):
-        self.s = sampler
-
-    def reset(self) -> None:
+    def _reset_cache(self) -> None:
         pass
 
-    def admit(self, n: int) -> None:
+    def _admit_cache(self, n: int) -> None:
         pass
 
-    def keep(self, rows: Tensor) -> None:
+    def _keep_cache(self, rows: Tensor) -> None:
         pass
 
-    def hidden(self, cols: Tensor) -> Tensor:
-        s = self.s
-        return _gather_rows(s._forward(s.canvas, s.pos, s.valid), cols)
+    def _hidden(self, cols: Tensor) -> Tensor:
+        """Hidden states [R, K, H] at the predicting columns: the whole canvas, every step."""
+        return _gather_rows(self._forward(self.canvas, self.pos, self.valid), cols)
 
 
-class _WindowCache:
+class WindowCachedFullSampler(FullSampler):
     """cache="prefix" / "dual" (Fast-dLLM): a block's first step is a full forward that refreshes the cache, later
     steps run only the window against it (see the module docstring)."""
 
-    def __init__(self, sampler: FullSampler):
-        self.s = sampler
-        self.cache: BatchKVCache | None = None
+    cache: BatchKVCache | None = None
 
-    def reset(self) -> None:
+    def _reset_cache(self) -> None:
         self.cache = None
 
-    def admit(self, n: int) -> None:
-        s = self.s
-        self.cache = BatchKVCache.join(self.cache, BatchKVCache.empty(n, s.num_layers, s.device))
+    def _admit_cache(self, n: int) -> None:
+        self.cache = BatchKVCache.join(self.cache, BatchKVCache.empty(n, self.num_layers, self.device))
 
-    def keep(self, rows: Tensor) -> None:
+    def _keep_cache(self, rows: Tensor) -> None:
         self.cache = self.cache.select_rows(rows)
 
-    def hidden(self, cols: Tensor) -> Tensor:
+    def _hidden(self, cols: Tensor) -> Tensor:
         """Hidden states [R, K, H] at the predicting columns: rows at their block's first step refresh, the
         others run their window."""
-        s = self.s
-        refresh = [i for i, r in enumerate(s.running) if r.t_block == 0]
-        if len(refresh) == len(s.running):
+        refresh = [i for i, r in enumerate(self.running) if r.t_block == 0]
+        if len(refresh) == len(self.running):
             return self._refresh(None, cols)
         if not refresh:
             return self._window(None, cols)
-        g1 = torch.tensor(refresh, dtype=torch.long, device=s.device)
-        g2 = torch.tensor([i for i in range(len(s.running)) if s.running[i].t_block], device=s.device)
+        g1 = torch.tensor(refresh, dtype=torch.long, device=self.device)
+        g2 = torch.tensor([i for i in range(len(self.running)) if self.running[i].t_block], device=self.device)
         h2 = self._window(g2, cols[g2])  # reads the old cache rows of g2 before g1's rows are replaced
         h1 = self._refresh(g1, cols[g1])
-        out = h1.new_empty(len(s.running), *h1.shape[1:])
+        out = h1.new_empty(len(self.running), *h1.shape[1:])
         out[g1], out[g2] = h1, h2
         return out
 
     def _window_bounds(self, rows: Tensor | None) -> tuple[Tensor, Tensor, int]:
         """Per-row window [start, end) in canvas columns and the common (padded) window width."""
-        s = self.s
-        blk = s.blk if rows is None else s.blk[rows]
-        start = (s.width + blk * s.bl - s.shift).clamp(min=0)
-        block_end = s.width + (blk + 1) * s.bl
-        horizon = s.params.further_horizon if s.params.cache == "prefix" else 0
-        end = (block_end + horizon).clamp(max=s.canvas.shape[1])
-        host_rows = range(len(s.running)) if rows is None else rows.tolist()
-        widths = [min(s.width + (s.running[i].blk + 1) * s.bl + horizon, s.canvas.shape[1])
-                  - self._window_start(s.running[i].blk) for i in host_rows]
+        blk = self.blk if rows is None else self.blk[rows]
+        start = (self.width + blk * self.bl - self.shift).clamp(min=0)
+        block_end = self.width + (blk + 1) * self.bl
+        horizon = self.params.further_horizon if self.params.cache == "prefix" else 0
+        end = (block_end + horizon).clamp(max=self.canvas.shape[1])
+        host_rows = range(len(self.running)) if rows is None else rows.tolist()
+        widths = [min(self.width + (self.running[i].blk + 1) * self.bl + horizon, self.canvas.shape[1])
+                  - self._window_start(self.running[i].blk) for i in host_rows]
         return start, end, max(widths)
 
     def _window_start(self, blk: int) -> int:
-        s = self.s
-        return max(s.width + blk * s.bl - s.shift, 0)
+        return max(self.width + blk * self.bl - self.shift, 0)
 
     def _refresh(self, rows: Tensor | None, cols: Tensor) -> Tensor:
         """Full forward of the rows' canvas (their block's first step); keep K/V outside the window."""
-        s = self.s
         sel = (lambda t: t) if rows is None else (lambda t: t[rows])
-        cache = BatchKVCache(s.num_layers)
-        hidden = s._forward(sel(s.canvas), sel(s.pos), sel(s.valid), cache, store_kv=True)
+        cache = BatchKVCache(self.num_layers)
+        hidden = self._forward(sel(self.canvas), sel(self.pos), sel(self.valid), cache, store_kv=True)
         start, end, _ = self._window_bounds(rows)
-        col = torch.arange(cache.length, device=s.device)[None, :]
-        if s.params.cache == "prefix":
+        col = torch.arange(cache.length, device=self.device)[None, :]
+        if self.params.cache == "prefix":
             cache.valid = cache.valid & (col < start[:, None])
-            host_rows = range(len(s.running)) if rows is None else rows.tolist()
-            cache.truncate(max(self._window_start(s.running[i].blk) for i in host_rows))
+            host_rows = range(len(self.running)) if rows is None else rows.tolist()
+            cache.truncate(max(self._window_start(self.running[i].blk) for i in host_rows))
         else:
             cache.valid = cache.valid & ((col < start[:, None]) | (col >= end[:, None]))
         if rows is None:
@@ -383,16 +369,15 @@ class _WindowCache:
 
     def _window(self, rows: Tensor | None, cols: Tensor) -> Tensor:
         """Forward of the rows' windows against their cached K/V (cache read only)."""
-        s = self.s
         start, end, width = self._window_bounds(rows)
-        idx = start[:, None] + torch.arange(width, device=s.device)
+        idx = start[:, None] + torch.arange(width, device=self.device)
         inside = idx < end[:, None]
-        idx = idx.clamp(max=s.canvas.shape[1] - 1)
+        idx = idx.clamp(max=self.canvas.shape[1] - 1)
         sel = (lambda t: t) if rows is None else (lambda t: t[rows])
-        ids, pos = sel(s.canvas).gather(1, idx), sel(s.pos).gather(1, idx)
-        valid = sel(s.valid).gather(1, idx) & inside
+        ids, pos = sel(self.canvas).gather(1, idx), sel(self.pos).gather(1, idx)
+        valid = sel(self.valid).gather(1, idx) & inside
         cache = self.cache if rows is None else self.cache.select_rows(rows)
-        hidden = s._forward(ids, pos, valid, cache)
+        hidden = self._forward(ids, pos, valid, cache)
         return _gather_rows(hidden, cols - start[:, None])
 
 

@@ -13,7 +13,7 @@ from models.layers import packed_projections
 from models.lora import merged_for_sampling
 from sample.block_sampler import BlockSampler
 from sample.engine import RolloutStats, run_engine
-from sample.full_sampler import FullSampler
+from sample.full_sampler import FullSampler, WindowCachedFullSampler
 from sample.params import SamplingParams
 from sample.trajectory import Trajectory
 
@@ -80,7 +80,8 @@ def make_sampler(adapter: Adapter, params: SamplingParams, stop_ids: set[int], l
     if adapter.attention == "block":
         return BlockSampler(adapter, params, stop_ids, limit, generator)
     if adapter.attention == "full":
-        return FullSampler(adapter, params, stop_ids, limit, generator)
+        sampler = FullSampler if params.cache == "none" else WindowCachedFullSampler
+        return sampler(adapter, params, stop_ids, limit, generator)
     raise ValueError(f"adapter.attention must be 'block' or 'full', got {adapter.attention!r}")
 
 
