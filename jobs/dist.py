@@ -16,6 +16,17 @@ def barrier(accelerator: Any) -> None:
         accelerator.wait_for_everyone()
 
 
+def end_processes(accelerator: Any) -> None:
+    """After a job that every process finished: wait for all of them, then take the process group down, so its
+    worker threads are joined before the interpreter exits (left to interpreter teardown, gloo's threads were seen
+    to abort a finished rank with "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if accelerator is not None and accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized():
+        accelerator.wait_for_everyone()
+        dist.destroy_process_group()
+
+
 def default_device() -> str:
     import torch
 

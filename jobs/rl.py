@@ -56,7 +56,7 @@ from jobs.checkpoint import (
 )
 from jobs.config import config_text
 from jobs.demo import ensure_demo_model
-from jobs.dist import barrier, default_device, is_main
+from jobs.dist import barrier, default_device, end_processes, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
 from jobs.sft import run_sft
@@ -612,6 +612,7 @@ def run_rl(cfg: Any, progress: bool = True) -> list[dict]:
         raise
     finally:
         job.close()
+    end_processes(job.acc)
     evals = [m for m in history if "eval_acc" in m]
     if job.main and len(evals) >= 2:
         a, b = evals[0], evals[-1]

@@ -34,7 +34,7 @@ from data.prompts import prompt_ids
 from jobs.checkpoint import check_fresh_run_dir, checkpoint_problem, empty_run_dir, load_checkpoint, save_checkpoint
 from jobs.config import config_text
 from jobs.demo import ensure_demo_model
-from jobs.dist import barrier, default_device, is_main
+from jobs.dist import barrier, default_device, end_processes, is_main
 from models.registry import family_spec, load_policy
 from sample.trajectory import Trajectory
 from train.accelerator import build_accelerator
@@ -318,7 +318,7 @@ def run_sft(cfg: Any, progress: bool = True) -> Path:
         if job.main:
             print(f"sft: {len(job.samples)} samples, steps {first + 1}..{job.total}, run directory {job.root}",
                   flush=True)
-        return job.run(first)
+        history = job.run(first)
     except KeyboardInterrupt as err:
         err.detail = (f"{job.last} holds the last saved step (training.save_every); continue with "
                       "experiment.start_from_scratch=false") if job.last.is_dir() else \
@@ -326,3 +326,5 @@ def run_sft(cfg: Any, progress: bool = True) -> Path:
         raise
     finally:
         job.close()
+    end_processes(job.acc)
+    return history
