@@ -1,4 +1,5 @@
 """The SFT job behind ``train/sft_<family>.py``: data -> samples -> SFTTrainer steps -> checkpoints.
+
 Data (``dataset.optimization_data``): ``data/<name>.json|.jsonl``, a path to such a file, a ``datasets`` folder
 saved with ``save_to_disk``, ``hub:<org>/<name>[:<split>]`` (a hub dataset, read through the ``datasets`` cache, so
 it works offline once downloaded), or ``builtin:arithmetic``. Rows are ``{prompt, response[, step_map]}`` or chat

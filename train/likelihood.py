@@ -1,4 +1,5 @@
 """Log-likelihood of a continuation given a context under a diffusion LM (lm-eval's ``loglikelihood``).
+
 A masked-diffusion model gives no exact joint probability of several tokens: it gives the conditional of each masked
 token given the visible ones, and its log-likelihood is bounded below by the ELBO
 

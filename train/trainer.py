@@ -1,4 +1,5 @@
 """Trainer: the optimisation core every objective shares (policy, value, SFT): hooks over one loop.
+
 One ``train_step(trajectories, targets)`` = views -> micro-batches -> old outputs -> optimiser steps. Subclasses
 override only the hooks they change (the policy, value and SFT trainers do):
 * ``build_views(trajectories, targets)`` -> one TrainBatch per optimiser step (this process's shard),
