@@ -14,9 +14,9 @@ serve SDAR. What is LLaDA2's own (yjyddq/DARE models/LLaDA2.0-mini/modeling_llad
 * ``model.word_embeddings``, ``model.norm``, an untied ``lm_head``; logits are not shifted (position i predicts
   token i).
 
-State-dict keys equal the public checkpoints': ``model.layers.N.attention.{query_key_value,dense,query_layernorm,
-key_layernorm}``, ``mlp.gate.weight``, ``mlp.gate.expert_bias``, ``mlp.experts.{i}.{gate,up,down}_proj``,
-``mlp.shared_experts.{gate,up,down}_proj``. ``expert_bias`` is a buffer: the authors update it outside the
+Saved keys equal the public checkpoints': ``model.layers.N.attention.{query_key_value,dense,query_layernorm,
+key_layernorm}``, ``mlp.gate.weight``, ``mlp.gate.expert_bias``, ``mlp.experts.{i}.{gate,up,down}_proj`` (fused in
+memory: models/moe.py ``FusedExperts``), ``mlp.shared_experts.{gate,up,down}_proj``. ``expert_bias`` is a buffer: the authors update it outside the
 gradient (auxiliary-loss-free balancing), so fine-tuning here keeps it as loaded.
 """
 

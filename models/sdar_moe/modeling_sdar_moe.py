@@ -1,6 +1,7 @@
 """SDAR-MoE (SDAR-30B-A3B): SDAR's block-diffusion Qwen3 decoder with the dense MLP of each sparse layer replaced
-by the shared Qwen3-MoE block (models/moe.py). Attention and decoder layers are SDAR's own; state-dict keys equal
-the public checkpoint's (``mlp.gate.weight``, ``mlp.experts.{i}.{gate,up,down}_proj.weight``).
+by the shared Qwen3-MoE block (models/moe.py). Attention and decoder layers are SDAR's own; saved keys equal the
+public checkpoint's (``mlp.gate.weight``, ``mlp.experts.{i}.{gate,up,down}_proj.weight``; the experts are fused in
+memory, ``mlp.experts.gate_up_proj`` / ``down_proj``).
 """
 
 from __future__ import annotations
