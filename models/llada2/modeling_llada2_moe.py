@@ -16,8 +16,8 @@ serve SDAR. What is LLaDA2's own (yjyddq/DARE models/LLaDA2.0-mini/modeling_llad
 
 Saved keys equal the public checkpoints': ``model.layers.N.attention.{query_key_value,dense,query_layernorm,
 key_layernorm}``, ``mlp.gate.weight``, ``mlp.gate.expert_bias``, ``mlp.experts.{i}.{gate,up,down}_proj`` (fused in
-memory: models/moe.py ``FusedExperts``), ``mlp.shared_experts.{gate,up,down}_proj``. ``expert_bias`` is a buffer: the authors update it outside the
-gradient (auxiliary-loss-free balancing), so fine-tuning here keeps it as loaded.
+memory: models/moe.py ``FusedExperts``), ``mlp.shared_experts.{gate,up,down}_proj``. ``expert_bias`` is a buffer:
+the authors update it outside the gradient (auxiliary-loss-free balancing), so fine-tuning here keeps it as loaded.
 """
 
 from __future__ import annotations
