@@ -187,24 +187,6 @@ def register_fused_experts(*names: str) -> None:
         ], overwrite=True)
 
 
-def checkpoint_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``state`` with every ``FusedExperts``' two tensors split into the checkpoint's per-expert tensors (views),
-    under the names they have on disk (what ``save_pretrained`` writes; tests and golden fixtures use it)."""
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith("experts.gate_up_proj"):
-            stem = name.removesuffix("gate_up_proj")
-            for e, fused in enumerate(tensor):
-                gate, up = fused.chunk(2, dim=0)
-                out[f"{stem}{e}.gate_proj.weight"], out[f"{stem}{e}.up_proj.weight"] = gate, up
-        elif name.endswith("experts.down_proj"):
-            stem = name.removesuffix("down_proj")
-            out.update({f"{stem}{e}.down_proj.weight": w for e, w in enumerate(tensor)})
-        else:
-            out[name] = tensor
-    return out
-
-
 def load_balancing_loss(router_logits: Tensor, index: Tensor, num_experts: int) -> Tensor:
     """Switch / Qwen3-MoE auxiliary loss: num_experts * sum_e (fraction of routed slots to e) * (mean prob of e)."""
     probs = F.softmax(router_logits.float(), dim=-1)

@@ -10,7 +10,6 @@ from models.common import AttentionLayout
 from models.moe import (
     FusedExperts,
     SparseMoeBlock,
-    checkpoint_state_dict,
     grouped_mm_runs,
     is_moe_layer,
     load_balancing_loss,
@@ -92,7 +91,9 @@ def test_experts_are_fused_in_memory_and_per_expert_on_disk(tmp_path):
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 16, 16)  # [E, 2I, H]
     model.save_pretrained(tmp_path)
     on_disk = load_file(str(tmp_path / "model.safetensors"))
-    expected = checkpoint_state_dict(model.state_dict())
+    from transformers.core_model_loading import revert_weight_conversion
+
+    expected = revert_weight_conversion(model, model.state_dict())  # what save_pretrained writes
     assert sorted(on_disk) == sorted(expected)
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in on_disk and not any("gate_up" in k for k in on_disk)
     assert all(torch.equal(on_disk[k], expected[k]) for k in on_disk)
