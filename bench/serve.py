@@ -34,7 +34,7 @@ import torch
 
 from bench import hardware_line
 from bench.sampler import PRESETS, build_adapter
-from jobs.serve import background_server, build_app
+from jobs.serve import build_app, serve_until_closed
 from jobs.serve_engine import ServeEngine
 from sample.generate import generate
 from sample.params import SamplingParams
@@ -124,10 +124,11 @@ def _server_process(args, params: SamplingParams, max_batch: int, conn) -> None:
             conn.recv()
         engine.close()
 
-    with background_server(build_app(engine, "bench")) as url:
+    def ready(url: str) -> None:
         conn.send(url)
         threading.Thread(target=stop_when_told, daemon=True).start()
-        engine.run()
+
+    serve_until_closed(engine, build_app(engine, "bench"), on_ready=ready)
 
 
 @contextlib.contextmanager

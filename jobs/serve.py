@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -391,6 +391,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_until_closed(engine: ServeEngine, app: FastAPI, sock: socket.socket | None = None,
+                       on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve ``app`` on a thread (``background_server``; ``on_ready`` gets its URL) and drive ``engine`` on this one
+    until it is closed or interrupted; then open requests end with an error event, so the HTTP server can stop."""
+    with background_server(app, sock=sock) as url:
+        if on_ready is not None:
+            on_ready(url)
+        try:
+            engine.run()
+        finally:
+            engine.close()
+
+
 def run_serve(cfg: Any) -> None:
     """serve.py: load the model, print the address, serve until interrupted. The engine runs on this (the main)
     thread, the HTTP server on another (see jobs/serve_engine.py on OpenMP teams)."""
@@ -408,18 +421,17 @@ def run_serve(cfg: Any) -> None:
     engine = ServeEngine(adapter, cfg.rollout, cfg.server.max_batch, cfg.server.max_queue,
                          cfg.server.max_prompt_tokens, driver_thread=False)
     sock = bind(cfg.server.host, cfg.server.port)
+    def announce(url: str) -> None:
+        print(f"serving {name!r} ({adapter.model_base}, {adapter.attention} attention) at {url}/v1 "
+              f"(max_batch {cfg.server.max_batch}, max_queue {cfg.server.max_queue}"
+              f"{', API key required' if cfg.server.api_key else ''}); Ctrl-C stops", flush=True)
+
     try:
-        with background_server(build_app(engine, name, cfg.server.api_key), sock=sock) as url:
-            print(f"serving {name!r} ({adapter.model_base}, {adapter.attention} attention) at {url}/v1 "
-                  f"(max_batch {cfg.server.max_batch}, max_queue {cfg.server.max_queue}"
-                  f"{', API key required' if cfg.server.api_key else ''}); Ctrl-C stops", flush=True)
-            try:
-                engine.run()  # until Ctrl-C / SIGTERM (run_job's handler) interrupts it
-            except KeyboardInterrupt as err:
-                err.detail = "the server stopped; requests still open got an error event"
-                raise
-            finally:
-                engine.close()  # open requests end with an error event, so the HTTP server can stop
+        # until Ctrl-C / SIGTERM (run_job's handler) interrupts it
+        serve_until_closed(engine, build_app(engine, name, cfg.server.api_key), sock, announce)
+    except KeyboardInterrupt as err:
+        err.detail = "the server stopped; requests still open got an error event"
+        raise
     finally:
         sock.close()
 
