@@ -102,8 +102,7 @@ def peft_config(settings: LoraSettings, model: Any, family_targets: Sequence[str
         raise ModelLoadError(f"lora.target_modules {unknown or targets} match no module of this "
                              f"{type(model).__name__}; its linear modules are {names}")
     parameters = list(settings.target_parameters if settings.target_parameters is not None else family_parameters)
-    # the fused tensors peft adapts in place (under ZeRO-3 a parameter is a flat shard; ds_shape is its shape)
-    owned = {n for n, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) == 3}
+    owned = {n for n, p in model.named_parameters() if _is_expert_tensor(p)}
     unknown = [t for t in parameters if not any(n.endswith("." + t) for n in owned)]
     if unknown:
         have = sorted({n.split(".", 3)[-1] for n in owned}) or "none"  # without the model.layers.{i}. prefix
@@ -115,6 +114,12 @@ def peft_config(settings: LoraSettings, model: Any, family_targets: Sequence[str
                       target_modules=targets, target_parameters=parameters or None, exclude_modules=exclude,
                       bias=settings.bias,
                       modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None)
+
+
+def _is_expert_tensor(param: Any) -> bool:
+    """A fused expert tensor [E, out, in] (what target_parameters adapt in place); under ZeRO-3 a parameter is a
+    flat shard and ``ds_shape`` its shape."""
+    return len(getattr(param, "ds_shape", param.shape)) == 3
 
 
 def wrap(adapter: Any, settings: LoraSettings, resume: str | Path | None = None) -> Any:
@@ -168,8 +173,7 @@ def _check_adapter_fits(model: Any, path: Path) -> None:
                 while name.endswith(".base_layer"):  # nested ParamWrappers: one per adapted expert tensor
                     name = name.removesuffix(".base_layer")
                 module = modules.get(name)
-                if module is not None and any(len(getattr(p, "ds_shape", p.shape)) == 3
-                                              for p in module.parameters(recurse=False)):
+                if module is not None and any(_is_expert_tensor(p) for p in module.parameters(recurse=False)):
                     continue  # fused expert tensors (target_parameters): peft checks their shapes as it loads
                 if module is None or not isinstance(getattr(module, "weight", None), nn.Parameter):
                     raise ModelLoadError(f"{path}: the adapter does not match this base model (it adapts {name!r}, "
