@@ -10,7 +10,7 @@ Stages (each a user command in its own process, its output in ``runs/real/logs/{
 1. ``ar``: the AR model's own greedy answers (transformers ``generate``, its chat template) to the held-out
    problems: accuracy (i), by the math reward (a ``\\boxed{}`` answer, else "the answer is N") and, for reference,
    by the last number of the answer (SmolLM2 seldom boxes its answers).
-2. ``convert``: ``python -m models.a2d --to sdar --block-size 4`` (block diffusion, a new ``<|mask|>`` token).
+2. ``convert``: ``python -m tools.a2d --to sdar --block-size 4`` (block diffusion, a new ``<|mask|>`` token).
 3. ``converted``: ``eval.py`` on the converted model: accuracy (ii).
 4. ``adapt``: block-diffusion SFT (``configs/real/sft_smollm2.yaml``) on built-in word problems with worked
    solutions, generated offline.
@@ -71,9 +71,9 @@ def last_number(text: str) -> str | None:
 def ar_baseline(source: Path, gguf_file: str | None, n: int, max_new_tokens: int = 128) -> dict:
     """Accuracy (i): the AR model's greedy answers to the held-out problems."""
     from data.builtin import builtin_tasks
-    from jobs.distill import ar_answers
     from models.a2d import load_ar
     from reward.math import score_math
+    from tools.distill import ar_answers
 
     model, tokenizer = load_ar(source, gguf_file)
     tasks = builtin_tasks(HELD_OUT["name"], n, HELD_OUT["seed"])
@@ -155,7 +155,7 @@ class Stages:
         gguf = ["--gguf-file", a.gguf_file] if a.gguf_file else []
         work = {
             "ar": lambda: self._timed(lambda: ar_baseline(Path(a.source), a.gguf_file, a.held_out)),
-            "convert": lambda: ({}, self.command("convert", ["-m", "models.a2d", "--source", a.source, *gguf, "--to",
+            "convert": lambda: ({}, self.command("convert", ["-m", "tools.a2d", "--source", a.source, *gguf, "--to",
                                                              "sdar", "--block-size", "4", "--out",
                                                              str(self.converted)])),
             "converted": lambda: self.evaluate("converted", self.converted),

@@ -1,7 +1,5 @@
 """Built-in synthetic tasks that need no download, deterministic by seed, in the dataset formats of README.md.
-
-    python -m data.tasks --task arithmetic --n 100 --seed 0 --difficulty 2 --out data/arith.json
-    python -m data.tasks --task code --n 50 --seed 0 --out data/code.json
+Written as dataset files by ``python -m tools.write_tasks`` (e.g. ``--task arithmetic --n 100 --out data/arith.json``).
 
 Arithmetic rows are math rows (answer expected in ``\\boxed{}``); code rows are function tasks (asserts on
 ``f``, with ``prefix = "def f(x):\\n"``) and stdio tasks. Every code row also carries a reference
@@ -10,20 +8,14 @@ Arithmetic rows are math rows (answer expected in ``\\boxed{}``); code rows are 
 
 from __future__ import annotations
 
-import argparse
 import ast
 import operator
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data.formats import save_dataset_file, validate_rows  # noqa: E402
-from data.puzzles import draw_split  # noqa: E402
+from data.formats import validate_rows
+from data.puzzles import draw_split
 
 __all__ = ["arithmetic_task", "word_problem_task", "code_task", "evaluate_expression"]
 
@@ -230,24 +222,3 @@ def code_task(n: int, seed: int = 0, stdio_fraction: float = 0.25) -> list[dict]
     rng = random.Random(f"code-{seed}")
     rows = [_stdio_row(rng) if rng.random() < stdio_fraction else _function_row(rng) for _ in range(n)]
     return validate_rows(rows, "code", "code_task")
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write built-in synthetic tasks as a dataset JSON file.")
-    parser.add_argument("--task", choices=("arithmetic", "code"), required=True)
-    parser.add_argument("--n", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--difficulty", type=int, default=1, help="arithmetic only")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if args.task == "arithmetic":
-        rows, kind = arithmetic_task(args.n, args.seed, args.difficulty), "math"
-    else:
-        rows, kind = code_task(args.n, args.seed), "code"
-    print(f"wrote {len(rows)} {args.task} tasks to {save_dataset_file(rows, args.out, kind)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -507,25 +507,3 @@ def job_kind(path: str | os.PathLike[str]) -> str:
         return "serve"
     raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, *_eval, sft_*, serve_*)",
                       source=str(path))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m jobs.config FILE...``: validate config files (kind inferred from each name)."""
-    paths = sys.argv[1:] if argv is None else argv
-    if not paths:
-        print("usage: python -m jobs.config CONFIG.yaml [CONFIG.yaml ...]  (validates each file; the job kind comes "
-              "from the file name)", file=sys.stderr)
-        return 2
-    status = 0
-    for path in paths:
-        try:
-            load_config([f"config={path}"], job_kind(path), stream=sys.stdout)
-            print(f"ok     {path}")
-        except ConfigError as err:
-            print(f"error  {err}")
-            status = 1
-    return status
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -40,15 +40,15 @@ def load_tasks(name: str, data_type: str, seed: int = 0, n_builtin: int | None =
 
 def _missing_dataset_hint(name: str, data_dir: Path) -> str:
     """Download a known benchmark; otherwise name the closest built-in, local or downloadable dataset."""
-    from data.download_data import DATASETS
+    from data.hub import DATASETS
 
     if name in DATASETS:
-        return f"run: python data/download_data.py --dataset {name}"
+        return f"run: python -m tools.download_data --dataset {name}"
     local = [p.name.removesuffix(".json") for p in data_dir.glob("*.json")] if data_dir.is_dir() else []
     close = difflib.get_close_matches(name, [*BUILTIN, *local, *DATASETS], n=1, cutoff=0.6)
     if not close:
         return f"built-in: {', '.join(BUILTIN)}; downloadable: {', '.join(DATASETS)}"
-    get = f" (python data/download_data.py --dataset {close[0]})" if close[0] in DATASETS and close[0] not in local \
+    get = f" (python -m tools.download_data --dataset {close[0]})" if close[0] in DATASETS and close[0] not in local \
         else ""
     return f"closest: {close[0]!r}{get}"
 

@@ -1,7 +1,7 @@
 """AR -> diffusion (A2D): turn a local Hugging Face autoregressive checkpoint into one of our diffusion families.
 
-    python -m models.a2d --source /path/to/SmolLM2-135M-Instruct --to dream --out runs/a2d/smollm2_dream
-    python -m models.a2d --source DIR --gguf-file model.gguf --to sdar --block-size 4 --out runs/a2d/smollm2_sdar
+    python -m tools.a2d --source /path/to/SmolLM2-135M-Instruct --to dream --out runs/a2d/smollm2_dream
+    python -m tools.a2d --source DIR --gguf-file model.gguf --to sdar --block-size 4 --out runs/a2d/smollm2_sdar
 
 Sources: Llama, Qwen2 and Qwen3 causal LMs (``model_type`` llama / qwen2 / qwen3), from safetensors or, through
 transformers, from a GGUF file (``--gguf-file``). Targets, both with the source's layers unchanged (a Llama has
@@ -23,8 +23,6 @@ chat template and every other tokenizer file are kept. ``config.json`` records t
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -171,25 +169,3 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int = 4, m
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m models.a2d", description=__doc__.splitlines()[0])
-    ap.add_argument("--source", required=True, help="local folder of a Llama / Qwen2 / Qwen3 causal LM")
-    ap.add_argument("--to", required=True, choices=TARGETS, help="dream: full attention, shifted; sdar: blocks")
-    ap.add_argument("--out", required=True, help="folder to write the converted checkpoint to")
-    ap.add_argument("--block-size", type=int, default=4, help="sdar: the block size")
-    ap.add_argument("--mask-token", default="<|mask|>", help="the new mask token's text")
-    ap.add_argument("--gguf-file", default=None, help="a GGUF file inside --source (read by transformers)")
-    args = ap.parse_args(argv)
-    from core.entry import run_job
-
-    def job() -> None:
-        out = convert(args.source, args.to, args.out, args.block_size, args.mask_token, args.gguf_file)
-        print(f"wrote {out} ({args.to}; model_base: {args.to})")
-
-    return run_job(job)  # a user error: one line, exit status 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ weights, adapter checkpoints and merging an adapter into a whole checkpoint.
   copies cost one transient copy of the adapted weights. 4-bit (QLoRA) layers are not merged (it would
   requantise): they sample as is.
 * Checkpoints: a PeftModel's ``save_pretrained`` writes the adapter in peft's format (``adapter_config.json``,
-  ``adapter_model.safetensors``); ``python -m jobs.merge_lora`` writes a whole checkpoint with the adapter merged
+  ``adapter_model.safetensors``); ``python -m tools.merge_lora`` writes a whole checkpoint with the adapter merged
   (``merged_model``) that ``load_model`` and eval.py read; ``load_model`` with ``model.adapter`` merges one at load.
 
 The family's default targets come with the adapter (``Adapter.lora_targets``): this module reads nothing of the

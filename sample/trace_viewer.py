@@ -3,7 +3,7 @@
 The page (template: ``trace_viewer_template.html`` next to this file) colours every response token by the denoising
 step that revealed it and replays decoding over ``t = 0..T``. It needs no network: data, script and styles are inline.
 
-Command line: ``sample/get_trace_viewer.py`` (a thin script over this module).
+Command line: ``python -m tools.trace_viewer`` (a thin script over this module).
 
 A URL fragment selects the state on load, e.g. ``trace.html#i=2&t=17`` (trajectory 2, step 17; ``t=max`` for the end).
 """

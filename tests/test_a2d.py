@@ -121,10 +121,10 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
 
 def test_distilled_rows_are_the_ar_models_own_greedy_answers_and_train_the_converted_model(tmp_path, ar_tokenizer):
     from jobs.config import load_config
-    from jobs.distill import main as distill_main
-    from jobs.distill import scored_rows
     from jobs.sft import run_sft
     from models.a2d import load_ar
+    from tools.distill import main as distill_main
+    from tools.distill import scored_rows
 
     src = _ar_checkpoint(tmp_path / "ar", "llama", ar_tokenizer)
     model, tok = load_ar(src)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from core.schema import to_dict
-from jobs.config import SCHEMAS, ConfigError, config_text, job_kind, load_config, load_config_or_exit, main
+from jobs.config import SCHEMAS, ConfigError, config_text, job_kind, load_config, load_config_or_exit
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams
+from tools.check_config import main
 from train.settings import LossConfig, OptimizerParams, RLTrainingConfig, ViewConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -130,7 +130,7 @@ def test_code_tasks_are_deterministic_and_solvable():
 
 def test_tasks_cli_writes_a_valid_file(tmp_path):
     out = tmp_path / "arith.json"
-    done = subprocess.run([sys.executable, "-m", "data.tasks", "--task", "arithmetic", "--n", "7", "--seed", "0",
+    done = subprocess.run([sys.executable, "-m", "tools.write_tasks", "--task", "arithmetic", "--n", "7", "--seed", "0",
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert load_dataset_file(out, "math") == arithmetic_task(7, seed=0)
@@ -141,8 +141,8 @@ def run_download(tmp_path: Path, extra_env: dict[str, str], dataset: str = "MATH
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and not k.startswith("HF_")}
     env.update(extra_env)
     start = time.monotonic()
-    done = subprocess.run([sys.executable, str(REPO / "data" / "download_data.py"), "--dataset", dataset, "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-m", "tools.download_data", "--dataset", dataset, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     return done, time.monotonic() - start
 
 

@@ -177,10 +177,10 @@ def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_pat
     assert torch.equal(logits(loaded), trained) and not torch.equal(plain, trained)
     # merged into a whole checkpoint (the command), and eval's model.adapter: the adapter model's logits
     out = tmp_path / "merged"
-    from jobs.merge_lora import main as merge_main
+    from tools.merge_lora import main as merge_main
 
     assert merge_main(["--base", str(ckpts[family]), "--adapter", str(policy), "--out", str(out),
-                       "--model-base", family]) == 0  # python -m jobs.merge_lora ...
+                       "--model-base", family]) == 0  # python -m tools.merge_lora ...
     merged = load_model({"pretrained_model": str(out), "model_base": family, "dtype": "float32"})
     assert (logits(merged) - trained).abs().max() < 1e-5
     ev = load_config(["config=configs/demo/eval_demo.yaml", f"model.pretrained_model={ckpts[family]}",

@@ -436,8 +436,9 @@ def test_an_overflowing_sft_run_never_writes_its_model(tmp_path, model):
 
 
 def test_config_check_without_files_prints_usage():
-    proc = subprocess.run([sys.executable, "-m", "jobs.config"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m jobs.config CONFIG.yaml")
+    proc = subprocess.run([sys.executable, "-m", "tools.check_config"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m tools.check_config CONFIG.yaml")
 
 
 def test_mistyped_dataset_names_suggest_the_closest():
@@ -449,10 +450,10 @@ def test_mistyped_dataset_names_suggest_the_closest():
         load_config(["config=configs/demo/eval_demo.yaml", "dataset.eval_dataset=builtin:arithmetc"], "eval")
     with pytest.raises(ConfigError, match="key 'dataset.train_dataset': .*closest: 'builtin:code'"):
         load_config(["config=configs/demo/rl_demo.yaml", "dataset.train_dataset=builtin:cod"], "rl")
-    with pytest.raises(FileNotFoundError, match=r"closest: 'MATH500' \(python data/download_data.py --dataset "
+    with pytest.raises(FileNotFoundError, match=r"closest: 'MATH500' \(python -m tools.download_data --dataset "
                                                 r"MATH500\)"):
         load_tasks("MATH50", "math", data_dir="/nonexistent")
-    with pytest.raises(FileNotFoundError, match="run: python data/download_data.py --dataset GSM8K"):
+    with pytest.raises(FileNotFoundError, match="run: python -m tools.download_data --dataset GSM8K"):
         load_tasks("GSM8K", "math", data_dir="/nonexistent")
 
 
@@ -479,7 +480,7 @@ def test_errors_name_the_key_as_the_user_wrote_it(tmp_path):
 
 
 def _viewer(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "sample/get_trace_viewer.py", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tools.trace_viewer", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

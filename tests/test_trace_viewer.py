@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from models.tokenizers import build_demo_tokenizer
-from sample.get_trace_viewer import main
 from sample.trace_viewer import build_trace_html, token_pieces
 from sample.trajectory import Trajectory, write_jsonl
+from tools.trace_viewer import main
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
@@ -224,18 +224,17 @@ def test_cli(tok, tmp_path, capsys):
 
 
 def test_cli_as_script(tok, tmp_path):
-    """`python sample/get_trace_viewer.py ...` works from any directory (repo root put on sys.path)."""
+    """`python -m tools.trace_viewer ...` from the repository root writes the page."""
     import sys
 
     tok_dir = tmp_path / "tok"
     tok.save_pretrained(str(tok_dir))
     rollouts = tmp_path / "r.jsonl"
     write_jsonl([_traj(tok)], rollouts)
-    script = Path(__file__).resolve().parent.parent / "sample" / "get_trace_viewer.py"
     out = tmp_path / "t.html"
     r = subprocess.run(
-        [sys.executable, str(script), "--trajectories", str(rollouts), "--tokenizer", str(tok_dir), "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "tools.trace_viewer", "--trajectories", str(rollouts), "--tokenizer", str(tok_dir),
+         "--out", str(out)], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 0, r.stderr
     assert out.is_file() and "wrote" in r.stdout

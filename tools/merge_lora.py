@@ -1,6 +1,6 @@
 """Merge a LoRA adapter into its base model: a whole checkpoint that eval.py and ``load_model`` read.
 
-    python -m jobs.merge_lora --base PATH --adapter PATH --out PATH --model-base sdar [--dtype bfloat16]
+    python -m tools.merge_lora --base PATH --adapter PATH --out PATH --model-base sdar [--dtype bfloat16]
 
 ``--adapter`` is a ``policy/`` folder of a LoRA run (or its ``ckpt/optimized`` link); see models/lora.py.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.merge_lora", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.merge_lora", description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the base checkpoint folder the adapter was trained on")
     parser.add_argument("--adapter", required=True, help="the adapter folder (adapter_config.json, weights)")
     parser.add_argument("--out", required=True, help="the folder to write the merged checkpoint to")

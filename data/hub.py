@@ -1,28 +1,22 @@
-"""Download an evaluation / RL dataset from the Hugging Face Hub and store it, validated, as data/NAME.json.
+"""Evaluation / RL datasets on the Hugging Face Hub: the catalog, and a download stored validated as data/NAME.json.
 
-    python data/download_data.py --dataset MATH500 [--out data/]
+Command line: ``python -m tools.download_data --dataset MATH500 [--out data/]``.
 
 Source: dataset repo ``Gen-Verse/NAME``, file ``{split}/NAME.json`` (split ``train`` for the RL training sets,
 ``test`` otherwise; as Gen-Verse/dLLM-RL data/download_data.py). Without network access it fails within a few seconds
-with a one-line
-message instead of retrying for minutes.
+with a one-line message instead of retrying for minutes.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
-import sys
 import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data.formats import DataFormatError, validate_rows  # noqa: E402
+from data.formats import DataFormatError, validate_rows
 
 # name -> (split, kind)
 DATASETS: dict[str, tuple[str, str]] = {
@@ -129,21 +123,3 @@ def download(name: str, out_dir: str | Path = "data") -> Path:
     tmp.write_text(json.dumps(rows, ensure_ascii=False, indent=1), encoding="utf-8")
     tmp.replace(out)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", required=True, help=f"one of: {', '.join(DATASETS)}")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent), help="output directory")
-    args = parser.parse_args(argv)
-    try:
-        path = download(args.dataset, args.out)
-    except DownloadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

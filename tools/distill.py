@@ -1,6 +1,6 @@
 """SFT data distilled from an autoregressive checkpoint, and its held-out accuracy (the A2D recipe's first step).
 
-    python -m jobs.distill --source DIR [--gguf-file F] --out data/smollm2_distill.jsonl --n 2000 --difficulty 2
+    python -m tools.distill --source DIR [--gguf-file F] --out data/smollm2_distill.jsonl --n 2000 --difficulty 2
 
 The built-in arithmetic questions (``builtin:arithmetic``, seeded) are asked with the checkpoint's chat template
 and answered greedily by the AR model itself (transformers ``generate``, batched); each row is
@@ -53,7 +53,7 @@ def scored_rows(model: Any, tokenizer: Any, n: int, seed: int, difficulty: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.distill", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.distill", description=__doc__.splitlines()[0])
     ap.add_argument("--source", required=True, help="local folder of the AR checkpoint")
     ap.add_argument("--gguf-file", default=None)
     ap.add_argument("--out", required=True, help="the .jsonl file to write (SFT rows)")

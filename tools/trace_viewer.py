@@ -1,6 +1,6 @@
 """Write the HTML trace page of saved trajectories (the library is ``sample/trace_viewer.py``).
 
-    python sample/get_trace_viewer.py --trajectories runs/x/rollouts.jsonl --tokenizer DIR --out trace.html \
+    python -m tools.trace_viewer --trajectories runs/x/rollouts.jsonl --tokenizer DIR --out trace.html \
         [--index i | --all]
 
 A URL fragment selects the state on load, e.g. ``trace.html#i=2&t=17`` (trajectory 2, step 17; ``t=max`` for the end).
@@ -12,14 +12,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repository importable
-
-from sample.trace_viewer import build_trace_html  # noqa: E402
-from sample.trajectory import read_jsonl  # noqa: E402
+from sample.trace_viewer import build_trace_html
+from sample.trajectory import read_jsonl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.trace_viewer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trajectories", required=True, help="rollouts JSONL (one Trajectory per line)")
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder (loaded offline with AutoTokenizer)")
     parser.add_argument("--out", default="trace.html", help="output HTML file")
