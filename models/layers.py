@@ -191,6 +191,9 @@ class PackedLinear:
     every call, which dominates at decode shapes (a few tokens per row, weights streamed from L3): on a 2-core
     AMD EPYC (``bench.cpu_kernels``) a layer's products at 4 tokens cost 2.7-2.9x less pre-packed, at 128 tokens
     1.35x less. Results agree with MKL's to float32 rounding (a different summation order), not bit for bit.
+    peft LoRA layers are packed as their base weights plus a low-rank side product (all active adapters' A
+    stacked, their scaled B block-diagonal): two small products per call, and the packed weight is the base
+    weight exactly, so ``dense_weights`` gives it back bit for bit.
     """
 
     BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
@@ -198,15 +201,47 @@ class PackedLinear:
     def __init__(self, layers: Sequence[nn.Module]):
         linears = [_base_linear(m) for m in layers]
         self.sizes = [m.out_features for m in linears]
-        weight = torch.cat([_effective_weight(m) for m in layers])
+        weight = torch.cat([m.weight.detach() for m in linears])
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
         biases = [m.bias for m in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat([
             b.detach() if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, linears)])
+        self.low_rank = _stacked_low_rank(layers)
 
     def __call__(self, x: Tensor, split: bool = True) -> Tensor | tuple[Tensor, ...]:
         y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.low_rank is not None:
+            down, up = self.low_rank
+            y = y + (x @ down.T) @ up.T
         return y.split(self.sizes, -1) if split and len(self.sizes) > 1 else y
+
+    def dense_weights(self) -> list[Tensor]:
+        """The layers' weights in their own layout, equal bit for bit to those packed (a reorder loses nothing)."""
+        return [w.clone() for w in self.weight.to_dense().split(self.sizes)]
+
+
+def _stacked_low_rank(layers: Sequence[nn.Module]) -> tuple[Tensor, Tensor] | None:
+    """(A, B) with ``x @ A.T @ B.T`` = the active LoRA adapters' outputs of ``layers``, side by side; None if none.
+
+    A stacks every active adapter's ``lora_A`` rows; B is block-diagonal: each adapter's ``scaling * lora_B`` in
+    its layer's output rows and its own rank columns."""
+    pieces = []  # (layer index, A, scaled B)
+    for i, m in enumerate(layers):
+        if m is _base_linear(m) or m.merged or getattr(m, "disable_adapters", False):
+            continue
+        pieces += [(i, m.lora_A[name].weight.detach(), m.lora_B[name].weight.detach() * m.scaling[name])
+                   for name in m.active_adapters if name in m.lora_A]
+    if not pieces:
+        return None
+    sizes = [_base_linear(m).out_features for m in layers]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    down = torch.cat([a for _, a, _ in pieces])
+    up = down.new_zeros(sum(sizes), down.shape[0])
+    col = 0
+    for i, a, b in pieces:
+        up[starts[i]:starts[i] + sizes[i], col:col + a.shape[0]] = b
+        col += a.shape[0]
+    return down, up
 
 
 def packing_applies(model: nn.Module) -> bool:
@@ -232,57 +267,66 @@ def _available_memory_bytes() -> int | None:
 
 
 @contextlib.contextmanager
-def packed_projections(model: nn.Module) -> Iterator[None]:
+def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
     """Within: every ``Projections`` module of ``model`` runs its groups pre-packed where ``packing_applies``.
 
     For sampling only: the packed copies are taken on entry (later weight updates are not seen) and carry no
-    gradient, so ``project`` ignores them whenever autograd is on. Costs one copy of the packed weights.
+    gradient, so ``project`` ignores them whenever autograd is on. With ``park`` the packed weights stand in for
+    the layers' own: those are parked (an empty tensor) until exit, then given back bit for bit from the packed
+    copy, so sampling holds one copy of the weights, not two; nothing may read them inside (a scoped
+    ``sample.generate`` parks; a server holding the packing for its lifetime does not). A weight shared with
+    another module (a tied LM head) is never parked.
     """
     # Nested use (a server's driver thread holds the packing while an offline ``generate`` runs) packs only what
     # is not packed yet and unpacks only that: the outer holder keeps its packed weights.
     modules = [m for m in model.modules() if isinstance(m, Projections) and "_packed" not in m.__dict__] \
         if packing_applies(model) else []
-    for module in modules:
-        groups = {group: [getattr(module, name) for name in names] for group, names in module.projection_groups.items()}
-        groups = {group: [_packable(m) for m in linears] for group, linears in groups.items()}
-        module._packed = {group: PackedLinear(linears) for group, linears in groups.items()
-                          if all(m is not None for m in linears)}  # another wrapped layer runs as is
-    adapted = [m for module in modules for group in module._packed
-               for m in (getattr(module, name) for name in module.projection_groups[group]) if type(m) is not nn.Linear]
-    for m in adapted:  # their adapters are in the packed weights: models.lora.merged_for_sampling leaves them be
-        m._served_packed = True
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    parked: list[tuple[PackedLinear, list[nn.Linear]]] = []
     try:
+        for module in modules:
+            module._packed = {}
+            for group, names in module.projection_groups.items():
+                layers = [_packable(getattr(module, name)) for name in names]
+                if any(m is None for m in layers):
+                    continue  # another wrapped layer runs as is
+                packed = module._packed[group] = PackedLinear(layers)
+                linears = [_base_linear(m) for m in layers]
+                if park and all(uses.get(id(m.weight)) == 1 for m in linears):
+                    for m in linears:
+                        m.weight.data = m.weight.data.new_empty(0)
+                    parked.append((packed, linears))
+                for m in layers:  # their adapters are in the packed product: merged_for_sampling leaves them be
+                    if type(m) is not nn.Linear:
+                        m._served_packed = True
         yield
     finally:
-        for m in adapted:
-            m.__dict__.pop("_served_packed", None)
+        for packed, linears in parked:
+            for m, weight in zip(linears, packed.dense_weights(), strict=True):
+                m.weight.data = weight
         for module in modules:
+            for names in module.projection_groups.values():
+                for name in names:
+                    getattr(module, name).__dict__.pop("_served_packed", None)
             module.__dict__.pop("_packed", None)
 
 
 def _packable(module: nn.Module) -> nn.Module | None:
-    """The layer a packed product may stand for: a plain ``nn.Linear``, or an adapter layer over one (peft's LoRA
-    layers: the packed weight is then the base weight plus the active adapters' delta, so sampling runs merged
-    weights without touching, or copying, the model's own)."""
+    """The layer a packed product may stand for: a plain ``nn.Linear``, or a peft LoRA layer over one (plain
+    LoRA: no DoRA, no bias on B; the packed product adds its adapters as a low-rank side product)."""
     if type(module) is nn.Linear:
         return module
     base = getattr(module, "base_layer", None)
-    return module if type(base) is nn.Linear and hasattr(module, "get_delta_weight") else None
+    if type(base) is not nn.Linear or not hasattr(module, "lora_A"):
+        return None
+    variants = [*getattr(module, "use_dora", {}).values(), *getattr(module, "lora_bias", {}).values()]
+    return None if any(variants) else module
 
 
 def _base_linear(module: nn.Module) -> nn.Linear:
     return module if type(module) is nn.Linear else module.base_layer
-
-
-def _effective_weight(module: nn.Module) -> Tensor:
-    """The weight of the product a layer computes: its own, or an adapter layer's base weight plus the delta of
-    its active adapters (none when they are disabled or already merged into the base weight)."""
-    weight = _base_linear(module).weight.detach()
-    if module is _base_linear(module) or module.merged or getattr(module, "disable_adapters", False):
-        return weight
-    with torch.no_grad():
-        deltas = [module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A]
-    return weight + sum(deltas).to(weight.dtype) if deltas else weight
 
 
 def init_linear_normal(module: nn.Module, std: float) -> None:

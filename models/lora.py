@@ -5,13 +5,14 @@ weights, adapter checkpoints and merging an adapter into a whole checkpoint.
   ``peft.get_peft_model`` (a fresh adapter, B = 0: the model's outputs are the base model's exactly) or with
   ``PeftModel.from_pretrained(..., is_trainable=True)`` (a resumed adapter). The base weights are frozen, so the
   trainer's optimizer (AdamW over ``requires_grad`` parameters) holds only the adapter's.
-* Sampling runs merged weights. On CPU the pre-packed products of ``models.layers.packed_projections`` are built
-  from the base weight plus the adapters' delta, so the model's own weights are neither changed nor copied (the
-  packed copy exists for every model). Elsewhere (GPU, 16-bit) ``merged_for_sampling`` (entered by
-  ``sample.generate``) merges the adapters into copies of the base weights and restores the original tensors
-  after, bit for bit (no subtraction: repeated merge / unmerge would drift the frozen weights in 16-bit); the
-  copies cost one transient copy of the adapted weights. 4-bit (QLoRA) layers are not merged (it would
-  requantise): they sample as is.
+* Sampling runs merged weights, or an equivalent that copies nothing. On CPU the pre-packed products of
+  ``models.layers.packed_projections`` hold the base weights (in place of the model's own, parked while
+  ``sample.generate`` samples) and add each adapter's low-rank product beside them: the weights held while
+  sampling are one copy, as without LoRA, and the frozen base weights come back bit for bit. Elsewhere (GPU,
+  16-bit) ``merged_for_sampling`` (entered by ``sample.generate``) merges the adapters into copies of the base
+  weights and restores the original tensors after, bit for bit (no subtraction: repeated merge / unmerge would
+  drift the frozen weights in 16-bit); the copies cost one transient copy of the adapted weights. 4-bit (QLoRA)
+  layers are not merged (it would requantise): they sample as is.
 * Checkpoints: a PeftModel's ``save_pretrained`` writes the adapter in peft's format (``adapter_config.json``,
   ``adapter_model.safetensors``); ``python -m tools.merge_lora`` writes a whole checkpoint with the adapter merged
   (``merged_model``) that ``load_model`` and eval.py read; ``load_model`` with ``model.adapter`` merges one at load.
@@ -224,7 +225,7 @@ def merged_for_sampling(model: Any):
     from peft.tuners.lora.layer import ParamWrapper
 
     layers = [m for m in _lora_layers(model) if not m.merged and not m.__dict__.get("_served_packed", False)
-              and (type(m.base_layer) is nn.Linear or isinstance(m, ParamWrapper))]  # packed: merged already
+              and (type(m.base_layer) is nn.Linear or isinstance(m, ParamWrapper))]  # packed: adapters applied
     saved = []
     try:
         with torch.no_grad():

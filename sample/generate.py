@@ -64,8 +64,10 @@ def generate(adapter: Adapter, prompts: Sequence[Prompt] | str, params: Sampling
     was_training = adapter.model.training
     adapter.model.eval()
     try:
-        # packing first: on CPU it holds the adapters' merged weights, and merging copies only what it does not
-        with packed_projections(adapter.model), merged_for_sampling(adapter.model), torch.inference_mode():
+        # packing first: on CPU it holds the base weights (the model's own parked) with the adapters beside them,
+        # and merging copies only what it does not
+        with packed_projections(adapter.model, park=True), merged_for_sampling(adapter.model), \
+                torch.inference_mode():
             trajectories = run_engine(sampler, ids, params.max_active, adapter.tokenizer, on_finish)
     finally:
         adapter.model.train(was_training)

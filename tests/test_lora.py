@@ -83,16 +83,21 @@ def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny)
     assert all(torch.equal(base[k], after[k]) for k in base)
     assert not any(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
     assert torch.equal(logits(adapter), unmerged)
-    # with packing (CPU, fp32; sample.generate's order): the packed products hold base + delta, every group is
-    # packed, and merging then touches nothing (no layer merged, no weight copied)
-    pointers = {n: p.data_ptr() for n, p in adapter.model.named_parameters()}
-    with packed_projections(adapter.model), merged_for_sampling(adapter.model):
+    # with packing (CPU, fp32; sample.generate's order): the packed products hold the base weights and add the
+    # adapters beside them, every group is packed, merging then touches nothing (no layer merged, no weight
+    # copied), and the base weights the products stand for are parked inside and back bit for bit after
+    projected = {n for n, _ in adapter.model.named_parameters() if n.endswith(("base_layer.weight", "lm_head.weight"))}
+    pointers = {n: p.data_ptr() for n, p in adapter.model.named_parameters() if n not in projected}
+    with packed_projections(adapter.model, park=True), merged_for_sampling(adapter.model):
         assert all(len(m._packed) == len(m.projection_groups) for m in projections)
         assert not any(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
-        assert {n: p.data_ptr() for n, p in adapter.model.named_parameters()} == pointers
+        assert {n: p.data_ptr() for n, p in adapter.model.named_parameters() if n not in projected} == pointers
+        assert {n for n, p in adapter.model.named_parameters() if p.numel() == 0} == projected
         packed = logits(adapter)
     assert (packed - unmerged).abs().max() < 1e-5 and (packed - merged).abs().max() < 1e-5
     assert not any("_served_packed" in m.__dict__ for m in adapter.model.modules())
+    after = base_state(adapter.model)
+    assert all(torch.equal(base[k], after[k]) for k in base)
     assert torch.equal(logits(adapter), unmerged)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -367,34 +368,43 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 
 @needs_onednn
 @pytest.mark.parametrize("model_base", FAMILY_BASES)
-def test_packed_projections_match_the_modules_and_change_no_parameter(tiny, model_base):
+def test_packed_projections_match_the_modules_and_give_the_weights_back_bit_for_bit(tiny, model_base):
     """Inside ``packed_projections`` (CPU fp32, no autograd) each q/k/v, gate/up, output and head group is one
-    pre-packed product: logits agree with the modules' to float32 rounding. The packed copies are taken on entry,
-    so an in-place weight change inside is seen only where autograd is on (the modules run); parameters and
-    state_dict keys are untouched and nothing is left on the modules after exit, even on an exception."""
+    pre-packed product: logits agree with the modules' to float32 rounding. The packed weights stand in for the
+    layers' own, which are parked (empty) inside, except a weight shared with another module (a tied head); on
+    exit, also on an exception, every parameter is back bit for bit, state_dict keys are untouched and nothing is
+    left on the modules."""
     from models.layers import Projections, packed_projections, packing_applies
 
     a = tiny(model_base)
     assert packing_applies(a.model)
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(3))
     keys = set(a.model.state_dict())
+    before = {k: v.clone() for k, v in a.model.state_dict().items()}
     groups = [m for m in a.model.modules() if isinstance(m, Projections)]
     assert sum(len(m.projection_groups) for m in groups) >= 4 * a.model.config.num_hidden_layers
+    uses = collections.Counter(id(p) for _, p in a.model.named_parameters(remove_duplicate=False))
+    weights = [getattr(m, name).weight for m in groups for names in m.projection_groups.values() for name in names]
+    shared = [w for w in weights if uses[id(w)] > 1]
+    assert len(shared) == (1 if getattr(a.model.config, "tie_word_embeddings", False) else 0)  # the tied head
+    parked = sum(w.numel() for w in weights if uses[id(w)] == 1)
+    total = sum(p.numel() for p in a.model.parameters())
     with torch.no_grad():
         ref = a.model(ids).logits
-        with packed_projections(a.model):
+        with packed_projections(a.model):  # not parked (a server's lifetime hold): the weights stay as they are
+            torch.testing.assert_close(a.model(ids).logits, ref, atol=2e-5, rtol=1e-5)
+            assert sum(p.numel() for p in a.model.parameters()) == total
+        with packed_projections(a.model, park=True):
             assert all(set(m._packed) == set(m.projection_groups) for m in groups)
             torch.testing.assert_close(a.model(ids).logits, ref, atol=2e-5, rtol=1e-5)
             assert set(a.model.state_dict()) == keys
-            first = next(m for m in groups if "qkv" in m.projection_groups)
-            first.q_proj.weight.zero_()
-            torch.testing.assert_close(a.model(ids).logits, ref, atol=2e-5, rtol=1e-5)  # the copy taken on entry
-            with torch.enable_grad():
-                assert (a.model(ids).logits - ref).abs().max() > 1e-3  # autograd: the modules, as they are now
-        changed = a.model(ids).logits
-    assert all("_packed" not in m.__dict__ for m in groups)
-    with pytest.raises(RuntimeError), packed_projections(a.model):
-        raise RuntimeError("boom")
+            assert all(w.numel() == 0 for w in weights if uses[id(w)] == 1) and all(w.numel() for w in shared)
+            assert sum(p.numel() for p in a.model.parameters()) == total - parked  # one copy of them: packed
+        for k, v in a.model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        with pytest.raises(RuntimeError), packed_projections(a.model, park=True):
+            raise RuntimeError("boom")
+        assert all(torch.equal(v, before[k]) for k, v in a.model.state_dict().items())
     assert all("_packed" not in m.__dict__ for m in groups)
     wrapped = groups[0]  # a group with a layer that is not a plain nn.Linear (e.g. an adapter) runs unpacked
     name = next(iter(wrapped.projection_groups.values()))[0]
@@ -402,9 +412,28 @@ def test_packed_projections_match_the_modules_and_change_no_parameter(tiny, mode
     with packed_projections(a.model):
         assert set(wrapped._packed) == set(wrapped.projection_groups) - {next(iter(wrapped.projection_groups))}
         with torch.no_grad():
-            torch.testing.assert_close(a.model(ids).logits, changed, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(a.model(ids).logits, ref, atol=2e-5, rtol=1e-5)
     with torch.no_grad():
-        torch.testing.assert_close(a.model(ids).logits, changed, atol=0, rtol=0)
+        torch.testing.assert_close(a.model(ids).logits, ref, atol=0, rtol=0)
+
+
+@needs_onednn
+def test_a_tied_head_is_packed_but_never_parked(tiny):
+    """The LM head tied to the embeddings is one tensor for both: packing the head must leave it in place, since the
+    embedding lookup still reads it while sampling."""
+    from models.layers import packed_projections
+
+    a = tiny("sdar")
+    a.model.lm_head.weight = a.model.model.embed_tokens.weight
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(3))
+    embed = a.model.model.embed_tokens.weight.clone()
+    with torch.no_grad():
+        ref = a.model(ids).logits
+        with packed_projections(a.model, park=True):
+            assert "logits" in a.model._packed and a.model.lm_head.weight.shape == embed.shape
+            assert a.model.model.layers[0].mlp.up_proj.weight.numel() == 0  # untied weights are parked
+            torch.testing.assert_close(a.model(ids).logits, ref, atol=2e-5, rtol=1e-5)
+    assert a.model.lm_head.weight is a.model.model.embed_tokens.weight and torch.equal(embed, a.model.lm_head.weight)
 
 
 @needs_onednn
