@@ -3,8 +3,9 @@ projections (packed for CPU inference), the init of fresh models."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -274,8 +275,10 @@ def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
     gradient, so ``project`` ignores them whenever autograd is on. With ``park`` the packed weights stand in for
     the layers' own: those are parked (an empty tensor) until exit, then given back bit for bit from the packed
     copy, so sampling holds one copy of the weights, not two; nothing may read them inside (a scoped
-    ``sample.generate`` parks; a server holding the packing for its lifetime does not). A weight shared with
-    another module (a tied LM head) is never parked.
+    ``sample.generate`` parks; a server holding the packing for its lifetime does not). Never parked: a weight
+    shared with another module (a tied LM head), and one that is a map of its checkpoint file (a model loaded
+    memory-mapped and never written: its pages stay while any tensor of the file lives, so parking would add a
+    copy, not free one).
     """
     # Nested use (a server's driver thread holds the packing while an offline ``generate`` runs) packs only what
     # is not packed yet and unpacks only that: the outer holder keeps its packed weights.
@@ -284,7 +287,8 @@ def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
-    parked: list[tuple[PackedLinear, list[nn.Linear]]] = []
+    in_file = _file_mapped() if park and modules else (lambda ptr: True)
+    parked: dict[tuple[int, str], list[nn.Linear]] = {}  # (module, group) -> the layers whose weights it holds
     try:
         for module in modules:
             module._packed = {}
@@ -292,25 +296,53 @@ def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
                 layers = [_packable(getattr(module, name)) for name in names]
                 if any(m is None for m in layers):
                     continue  # another wrapped layer runs as is
-                packed = module._packed[group] = PackedLinear(layers)
+                module._packed[group] = PackedLinear(layers)
                 linears = [_base_linear(m) for m in layers]
-                if park and all(uses.get(id(m.weight)) == 1 for m in linears):
+                if park and all(uses.get(id(m.weight)) == 1 and not in_file(m.weight.data_ptr()) for m in linears):
                     for m in linears:
                         m.weight.data = m.weight.data.new_empty(0)
-                    parked.append((packed, linears))
+                    parked[id(module), group] = linears
                 for m in layers:  # their adapters are in the packed product: merged_for_sampling leaves them be
                     if type(m) is not nn.Linear:
                         m._served_packed = True
         yield
     finally:
-        for packed, linears in parked:
-            for m, weight in zip(linears, packed.dense_weights(), strict=True):
-                m.weight.data = weight
-        for module in modules:
+        for module in modules:  # a group's packed product is dropped as soon as its layers have their weights back
+            packed_groups = module.__dict__.pop("_packed", {})
+            for group in list(packed_groups):
+                packed = packed_groups.pop(group)
+                linears = parked.get((id(module), group))
+                if linears:
+                    for m, weight in zip(linears, packed.dense_weights(), strict=True):
+                        m.weight.data = weight
+                del packed
             for names in module.projection_groups.values():
                 for name in names:
                     getattr(module, name).__dict__.pop("_served_packed", None)
-            module.__dict__.pop("_packed", None)
+
+
+def _file_mapped() -> Callable[[int], bool]:
+    """Whether an address lies in a file-backed mapping of this process (Linux ``/proc/self/maps``; elsewhere every
+    address counts as mapped, so nothing is parked)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return lambda ptr: True
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):  # an inode and a path: a file
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    ranges.sort()
+    starts = [start for start, _ in ranges]
+
+    def mapped(ptr: int) -> bool:
+        i = bisect.bisect_right(starts, ptr) - 1
+        return i >= 0 and ptr < ranges[i][1]
+
+    return mapped
 
 
 def _packable(module: nn.Module) -> nn.Module | None:

@@ -207,7 +207,8 @@ def _mask_id(tokenizer: Any, model: Any) -> int:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool = False) -> Adapter:
+def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool = False,
+               map_weights: bool = True) -> Adapter:
     """Load ``cfg.pretrained_model`` (a local folder) for ``cfg.model_base``; returns its adapter (which holds the
     model and the tokenizer).
 
@@ -215,7 +216,9 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
     optional tokenizer (folder), dtype, attn_backend, optional adapter (a LoRA adapter folder merged into the
     weights at load, models/lora.py). The adapter's block size is the checkpoint's own (``config.block_size`` of
     block models); samplers and training views take theirs from their settings. ``load_in_4bit``: the weights in
-    4-bit NF4 (QLoRA; CUDA only).
+    4-bit NF4 (QLoRA; CUDA only). ``map_weights=False``: safetensors files are read into the process's own memory
+    instead of being memory-mapped (on CPU a mapped tensor shares one mapping with the whole file, so freeing it
+    frees nothing; see ``load_policy``).
     """
     get = (lambda k, d=None: cfg.get(k, d)) if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
     model_base = get("model_base")
@@ -242,6 +245,8 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
     if load_in_4bit:
         overrides.update(_four_bit(dtype, device))
     tokenizer = load_tokenizer(get("tokenizer") or path)
+    if not map_weights:
+        overrides["disable_mmap"] = True
     model = _from_pretrained(spec.model_class, path, dtype, overrides)
     if not load_in_4bit:  # a quantized model is placed by device_map and cannot be moved
         model = model.to(device)
@@ -267,7 +272,12 @@ def load_policy(model_cfg: Any, lora: Any, resume_adapter: str | Path | None, de
             resume_adapter)), device=device)
     from models.lora import wrap
 
-    return wrap(load_model(model_cfg, device=device, load_in_4bit=lora.load_in_4bit), lora, resume_adapter)
+    # The frozen base of a LoRA policy on CPU is read into the process's own memory: never written, it would stay a
+    # map of the checkpoint file, whose pages cannot leave while any tensor of the file lives, so the sampler's
+    # packed products could not stand in for it (models.layers.packed_projections parks what they hold).
+    own = torch.device(device).type == "cpu"
+    return wrap(load_model(model_cfg, device=device, load_in_4bit=lora.load_in_4bit, map_weights=not own), lora,
+                resume_adapter)
 
 
 def is_llada_moe(config: dict) -> bool:

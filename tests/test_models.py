@@ -437,6 +437,23 @@ def test_a_tied_head_is_packed_but_never_parked(tiny):
 
 
 @needs_onednn
+def test_weights_mapped_from_their_checkpoint_are_never_parked(demo_tokenizer, tmp_path):
+    """A model loaded memory-mapped shares one map with its whole file: parking one tensor would free nothing and
+    its restored copy would add a copy, so mapped weights stay; read into the process's own memory
+    (``map_weights=False``, what a LoRA policy on CPU does), they are parked."""
+    from models.layers import packed_projections
+
+    save_tiny_checkpoint(tmp_path / "m", "sdar", demo_tokenizer, size="test")
+    for map_weights, parked in ((True, False), (False, True)):
+        a = load_model({"pretrained_model": str(tmp_path / "m"), "model_base": "sdar"}, map_weights=map_weights)
+        up = a.model.model.layers[0].mlp.up_proj
+        before = up.weight.detach().clone()
+        with torch.no_grad(), packed_projections(a.model, park=True):
+            assert (up.weight.numel() == 0) == parked
+        assert torch.equal(up.weight, before)
+
+
+@needs_onednn
 def test_packing_applies_only_to_whole_fp32_cpu_weights_that_fit_in_memory(tiny, monkeypatch):
     from models.layers import packing_applies
 
