@@ -12,8 +12,9 @@
    bound printed; the bandwidth comes from the device name, or ``--bandwidth-gbs``). Batch 128 is compute-bound:
    FLOPs ~ 2 x parameters x positions processed, with positions ~ generated tokens x (steps per block + 1) (each
    position of a block is in every denoising forward of its block plus the forward that stores it); percent of
-   the dense bf16 peak (``--peak-tflops`` or from the device name). CUDA graphs: not implemented yet (the column
-   says so).
+   the dense bf16 peak (``--peak-tflops`` or from the device name). Each run is repeated with
+   ``rollout.cuda_graphs`` (fixed-capacity KV cache, one CUDA graph per batch bucket and forward shape): its warm
+   tokens/s and the ratio to the eager run.
 2. One TraceRL training step (SDAR-1.7B shape, bf16, gradient checkpointing, ``--train-samples`` synthetic
    trajectories of 128 prompt + 512 response tokens): time and peak memory, SDPA vs FlexAttention.
    ``fuse``: the sampler with finished blocks stored fused and separately at each batch size (mixed prompt
@@ -33,6 +34,7 @@ status 1; the JSON holds every number.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -102,6 +104,19 @@ def _generate_twice(adapter, prompts: list[list[int]], params, device: str) -> t
     return stats, walls
 
 
+def _graphed(adapter, prompts: list[list[int]], params, device: str, eager_tok_s: float) -> dict:
+    """The same run with ``cuda_graphs`` (fixed-capacity cache, graphs per batch bucket; eager on CPU): its warm
+    tokens/s and the ratio to the eager run, or the error."""
+    try:
+        stats, walls = _generate_twice(adapter, prompts, dataclasses.replace(params, cuda_graphs=True), device)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and counted as a failure
+        return {"cuda_graphs": f"FAILED {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                "graphs_error": traceback.format_exc(limit=3)}
+    graphs_tok_s = stats.generated_tokens / walls[-1]
+    return {"graphs_tok_s": graphs_tok_s, "cold_graphs_tok_s": stats.generated_tokens / walls[0],
+            "cuda_graphs": f"{graphs_tok_s:.1f} tok/s ({graphs_tok_s / eager_tok_s:.2f}x eager)"}
+
+
 def sampler_rows(args, device: str) -> list[dict]:
     from sample.params import SamplingParams
 
@@ -125,8 +140,7 @@ def sampler_rows(args, device: str) -> list[dict]:
                 per_forward = stats.generated_tokens / max(stats.forwards, 1)
                 row = {"shape": shape, "params_b": params / 1e9, "strategy": strategy.removeprefix("low_confidence_"),
                        "batch": batch, "tok_s": tok_s, "cold_tok_s": stats.generated_tokens / walls[0],
-                       "forwards_per_token": 1 / per_forward,
-                       "cuda_graphs": "not implemented"}
+                       "forwards_per_token": 1 / per_forward, **_graphed(adapter, prompts, sp, device, tok_s)}
                 if batch == 1 and bandwidth:
                     row["bandwidth_roofline_pct"] = 100 * tok_s / (per_forward * bandwidth * 1e9 / weight_bytes)
                 if batch == max(args.batches) and peak_tflops and strategy.endswith("static"):
@@ -425,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1))  # kept if a later section is cut off
     print(report(result))
     failed = ([r for r in result.get("training", []) if "error" in r]
+              + [r for r in result.get("sampler", []) if "graphs_error" in r]
               + [r for r in result.get("smoke", []) if not r["ok"]])
     print(f"{len(failed)} failure(s); numbers in {args.out}")
     return 1 if failed else 0

@@ -14,7 +14,8 @@ block; otherwise the finished block rides alone in its row (stored; that row ski
 the reference engine (``FUSE_MAX_TOKENS``, ``FUSE_CARRYING_SHARE``).
 
 ``cache="none"`` is the slow reference path: every step recomputes each row's whole sequence with the
-block-causal layout (the baseline of the cache-equality test and of the benchmark).
+block-causal layout (the baseline of the cache-equality test and of the benchmark). The forwards themselves are the
+runners' (``sample/block_runners.py``); ``cuda_graphs`` picks the one with a fixed-capacity cache (CUDA graphs).
 
 Token editing (``editing_threshold``, LLaDA2.1): each forward also draws at the block's decoded response positions
 (never the prompt tail), and a position whose drawn token differs from the one it holds with confidence above the
@@ -29,16 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from models.common import AttentionLayout
+from sample.block_runners import CachedRunner, RecomputeRunner, StaticRunner
 from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence
-from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
 from sample.strategies import Draw, block_schedule, draw_tokens, schedule_table, select_transfer
 
-PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
 # Widest fused forward (rows x 2 blocks) worth padding rows that carry nothing: a GPU decode forward of a few
 # thousand tokens costs about what one of a few tokens does (weights dominate), a CPU one is compute-bound past a
 # few dozen (bench/sampler.py: at batch 32 on 2 cores, always fusing is 0.74x).
@@ -49,7 +47,6 @@ FUSE_MAX_TOKENS = {"cuda": 8192, "cpu": 64}
 # way round, 5 forwards per block for the whole batch at 4 steps. Fusing when most rows carry pads the few that do
 # not and puts them back in phase.
 FUSE_CARRYING_SHARE = 0.5
-REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a repack
 
 
 # The batch's device-side state, one row per running sequence: name -> ("block": [R, b] | "row": [R], dtype).
@@ -88,114 +85,6 @@ class _Running:
     rewrites: list[int] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------- model runners
-
-
-class _CachedRunner:
-    """Runs the model over active blocks against a batched commit-semantics KV cache."""
-
-    stores_blocks = True  # a finished block's K/V are stored by the next forward (it carries the block)
-
-    def __init__(self, adapter, block_size: int, stats: RolloutStats):
-        self.adapter, self.b, self.stats = adapter, block_size, stats
-        self.num_layers = len(adapter.new_cache().keys)
-        self.cache: BatchKVCache | None = None
-
-    def admit(self, prefixes: list[Tensor]) -> None:
-        """Prefill the complete prompt blocks of new rows and append the rows to the batch cache."""
-        for chunk in _chunks(prefixes, PREFILL_TOKENS):
-            self.cache = BatchKVCache.join(self.cache, self._prefill(chunk))
-
-    def _prefill(self, prefixes: list[Tensor]) -> BatchKVCache:
-        device = prefixes[0].device
-        width = max(p.numel() for p in prefixes)
-        if width == 0:
-            return BatchKVCache.empty(len(prefixes), self.num_layers, device)
-        ids = torch.stack([F.pad(p, (0, width - p.numel()), value=self.adapter.pad_id) for p in prefixes])
-        valid = torch.stack([torch.arange(width, device=device) < p.numel() for p in prefixes])
-        pos = torch.arange(width, device=device).expand_as(ids)
-        cache = BatchKVCache(self.num_layers)
-        self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b, valid), cache, store_kv=True)
-        self.stats.forwards += 1
-        return cache
-
-    def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
-             fused: bool = True) -> Tensor:
-        """Hidden states [R, b, H] of the active blocks. With ``carry``, rows in ``carrying`` also hold their
-        finished previous block, whose K/V are stored: fused, it runs in front of the active block in the same
-        row (for the other rows those columns are padding: invalid keys, repacked later); not fused, it runs
-        instead of the active block (those rows' hidden states are then not used)."""
-        self.stats.forwards += 1
-        if carry is None:
-            layout = AttentionLayout.block_causal(positions, self.b)
-            return self.adapter.hidden(tokens, positions, layout, self.cache)
-        if not fused:
-            ids = torch.where(carrying[:, None], carry, tokens)
-            pos = positions - self.b * carrying[:, None].long()
-            hidden = self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b), self.cache,
-                                         store_kv=True)
-            self.cache.valid[:, -self.b:] &= carrying[:, None]
-            return hidden
-        ids = torch.cat([carry, tokens], 1)
-        pos = torch.cat([(positions - self.b).clamp(min=0), positions], 1)
-        valid = torch.cat([carrying[:, None].expand(-1, self.b), torch.ones_like(tokens, dtype=torch.bool)], 1)
-        layout = AttentionLayout.block_causal(pos, self.b, valid)
-        return self.adapter.hidden(ids, pos, layout, self.cache, store_kv=self.b)[:, self.b:]
-
-    def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
-        """After blocks finished: drop the invalid columns once they exceed the slack (no host sync needed)."""
-        if self.cache.length > max_cached + REPACK_SLACK * self.b:
-            self.cache = self.cache.repack(max_cached)
-
-    def keep(self, rows: Tensor) -> None:
-        self.cache = self.cache.select_rows(rows)
-
-
-class _RecomputeRunner:
-    """Reference path: recompute each row's whole sequence every step with the block-causal layout."""
-
-    stores_blocks = False
-
-    def __init__(self, adapter, block_size: int, stats: RolloutStats):
-        self.adapter, self.b, self.stats = adapter, block_size, stats
-        self.prefixes: list[Tensor] = []
-
-    def admit(self, prefixes: list[Tensor]) -> None:
-        self.prefixes.extend(prefixes)
-
-    def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
-             fused: bool = True) -> Tensor:
-        lengths = [p.numel() for p in self.prefixes]
-        width = max(lengths) + self.b
-        device = tokens.device
-        seqs = [torch.cat([p, t]) for p, t in zip(self.prefixes, tokens)]
-        ids = torch.stack([F.pad(s, (0, width - s.numel()), value=self.adapter.pad_id) for s in seqs])
-        valid = torch.stack([torch.arange(width, device=device) < s.numel() for s in seqs])
-        pos = torch.arange(width, device=device).expand_as(ids)
-        hidden = self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b, valid))
-        self.stats.forwards += 1
-        idx = torch.tensor(lengths, device=device)[:, None] + torch.arange(self.b, device=device)
-        return hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-
-    def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
-        for row, block in zip(rows, blocks):
-            self.prefixes[row] = torch.cat([self.prefixes[row], block])
-
-    def keep(self, rows: Tensor) -> None:
-        self.prefixes = [self.prefixes[i] for i in rows.tolist()]
-
-
-def _chunks(prefixes: list[Tensor], budget: int) -> list[list[Tensor]]:
-    """Split rows into prefill chunks of at most ``budget`` padded tokens (at least one row each)."""
-    out: list[list[Tensor]] = [[]]
-    for p in prefixes:
-        width = max([q.numel() for q in out[-1]] + [p.numel()])
-        if out[-1] and width * (len(out[-1]) + 1) > budget:
-            out.append([])
-        out[-1].append(p)
-    return out
-
-
 # ---------------------------------------------------------------- the sampler
 
 
@@ -214,8 +103,13 @@ class BlockSampler:
         self.limit = limit
         self.device = next(adapter.model.parameters()).device
         self.stats = RolloutStats()
-        runner_cls = _RecomputeRunner if params.cache == "none" else _CachedRunner
-        self.runner = runner_cls(adapter, self.b, self.stats)
+        if params.cache == "none":
+            self.runner = RecomputeRunner(adapter, self.b, self.stats)
+        elif params.cuda_graphs:
+            self.runner = StaticRunner(adapter, self.b, self.stats, capacity_hint=params.max_tokens,
+                                       graphs=self.device.type == "cuda")
+        else:
+            self.runner = CachedRunner(adapter, self.b, self.stats)
         self.fuse_max_tokens = FUSE_MAX_TOKENS["cuda" if self.device.type == "cuda" else "cpu"]
         sched = block_schedule(self.b, params.denoising_steps)
         self.schedule = schedule_table([sched], fill=self.b)[0].to(self.device)
@@ -416,7 +310,4 @@ class BlockSampler:
         self.running = [self.running[i] for i in keep_list]
         for name in _ROW_STATE:
             setattr(self, name, getattr(self, name)[keep])
-        if keep_list:
-            self.runner.keep(keep)
-        else:
-            self.runner = type(self.runner)(self.adapter, self.b, self.stats)
+        self.runner.keep(keep)

@@ -123,3 +123,120 @@ class BatchKVCache(KVCache):
 
 def _pad_cols(t: Tensor, width: int) -> Tensor:
     return F.pad(t, (0, 0, 0, width - t.shape[2]))
+
+
+class StaticKVCache:
+    """A fixed-capacity KV cache for decode forwards of unchanging shapes (what a CUDA graph replays).
+
+    Keys and values of all layers live in one buffer each, [L, S, Hkv, C + W, D]: S slots (a sampler's rows, then
+    padding), C cache columns, W scratch columns. A forward over the first ``s`` slots (``view(s)``) writes its new
+    keys to the scratch columns and attends over all C + n columns, the cache's invalid ones masked; so every
+    forward of one (s, n) reads and writes the same addresses whatever is cached. The columns it stores are copied
+    into the cache afterwards by ``commit``, outside the forward, at the column ``end`` shared by every slot (rows
+    of different lengths leave invalid columns; attention does not depend on the order of its keys, and RoPE is
+    applied before caching). Invariant: ``valid[:, end:]`` is all False.
+    """
+
+    def __init__(self, layers: int, slots: int, heads: int, capacity: int, scratch: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.capacity, self.scratch, self.end = capacity, scratch, 0
+        shape = (layers, slots, heads, capacity + scratch, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros(slots, capacity, dtype=torch.bool, device=device)
+        self.pending_valid = torch.zeros(slots, scratch, dtype=torch.bool, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[0]
+
+    def view(self, s: int) -> StaticView:
+        """The cache a forward over the first ``s`` slots reads and writes."""
+        return StaticView(self, s)
+
+    def commit(self, stored: int, rows: int, keep: Tensor | None = None) -> None:
+        """Store the first ``stored`` scratch columns of the last forward at ``end``: valid for the first ``rows``
+        slots where that forward's layout was valid (and, with ``keep`` [rows], only in the rows it marks)."""
+        if stored == 0:
+            return
+        if self.end + stored > self.capacity:
+            raise RuntimeError(f"static KV cache full: {self.end} + {stored} columns > capacity {self.capacity}")
+        cols = slice(self.end, self.end + stored)
+        scratch = slice(self.capacity, self.capacity + stored)
+        self.keys[:, :, :, cols] = self.keys[:, :, :, scratch]
+        self.values[:, :, :, cols] = self.values[:, :, :, scratch]
+        valid = self.pending_valid[:, :stored].clone()
+        valid[rows:] = False  # padding slots never hold a valid column
+        if keep is not None:
+            valid[:rows] &= keep[:, None]
+        self.valid[:, cols] = valid
+        self.end += stored
+
+    def place(self, first: int, cache: BatchKVCache) -> None:
+        """Write the rows of ``cache`` (a prefill) into slots ``first``.., at columns 0.. of those slots."""
+        n = cache.valid.shape[0]
+        width = cache.length
+        self.valid[first:first + n] = False
+        if width:
+            for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
+                self.keys[layer, first:first + n, :, :width] = k
+                self.values[layer, first:first + n, :, :width] = v
+            self.valid[first:first + n, :width] = cache.valid
+        self.end = max(self.end, width)
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Slots 0..len(rows)-1 take the rows ``rows`` (ascending); the slots after them are freed."""
+        n = rows.shape[0]
+        self.keys[:, :n] = self.keys.index_select(1, rows)
+        self.values[:, :n] = self.values.index_select(1, rows)
+        self.valid[:n] = self.valid.index_select(0, rows)
+        self.valid[n:] = False
+        if n == 0:
+            self.end = 0
+
+    def repack(self, width: int | None = None) -> None:
+        """Every slot's valid columns moved to its first columns, in place (the buffers keep their addresses);
+        ``end`` becomes ``width`` (default: the most any slot holds)."""
+        counts = self.valid.sum(1)
+        width = int(counts.max()) if width is None else width
+        order = torch.sort((~self.valid[:, :self.end]).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        layers, slots, heads, _, dim = self.keys.shape
+        idx = order[None, :, None, :, None].expand(layers, slots, heads, width, dim)
+        for buf in (self.keys, self.values):
+            buf[:, :, :, :width] = buf[:, :, :, :self.end].gather(3, idx)
+        self.valid[:, :width] = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+        self.valid[:, width:] = False
+        self.end = width
+
+    def resized(self, slots: int, capacity: int) -> StaticKVCache:
+        """A larger cache holding this one's slots and columns (new addresses: graphs must be captured again)."""
+        layers, old_slots, heads, _, dim = self.keys.shape
+        out = StaticKVCache(layers, slots, heads, capacity, self.scratch, dim, self.keys.dtype, self.keys.device)
+        keep = min(old_slots, slots)
+        out.keys[:, :keep, :, :self.end] = self.keys[:, :keep, :, :self.end]
+        out.values[:, :keep, :, :self.end] = self.values[:, :keep, :, :self.end]
+        out.valid[:keep, :self.end] = self.valid[:keep, :self.end]
+        out.end = self.end
+        return out
+
+
+class StaticView(KVCache):
+    """The first ``s`` slots of a ``StaticKVCache`` as the cache a model forward reads (see there)."""
+
+    def __init__(self, store: StaticKVCache, s: int):
+        super().__init__(store.keys.shape[0])
+        self.store, self.s = store, s
+        cap = store.capacity
+        self.keys = [store.keys[layer, :s, :, :cap] for layer in range(store.keys.shape[0])]
+        self.values = [store.values[layer, :s, :, :cap] for layer in range(store.keys.shape[0])]
+        self.valid = store.valid[:s]
+
+    def extend_layer(self, idx: int, k: Tensor, v: Tensor, store: bool | int) -> tuple[Tensor, Tensor]:
+        end = self.store.capacity + k.shape[2]
+        kbuf, vbuf = self.store.keys[idx, :self.s], self.store.values[idx, :self.s]
+        kbuf[:, :, self.store.capacity:end] = k
+        vbuf[:, :, self.store.capacity:end] = v
+        return kbuf[:, :, :end], vbuf[:, :, :end]
+
+    def append_valid(self, valid: Tensor) -> None:
+        self.store.pending_valid[:self.s, :valid.shape[1]] = valid

@@ -73,6 +73,9 @@ class SamplingParams(Settings):
     # to max_post_steps more forwards edit it, ending at the first that changes nothing.
     editing_threshold: float | None = bounded(None, 0.0, 1.0)
     max_post_steps: int = bounded(16, 0)
+    # block models, cache "prefix": decode forwards on a fixed-capacity cache with the rows padded to a bucket, so
+    # on CUDA each forward shape is captured once as a CUDA graph and replayed (on CPU the same path runs eagerly)
+    cuda_graphs: bool = False
 
     def validate(self) -> None:
         if isinstance(self.stop, str):
@@ -104,7 +107,13 @@ class SamplingParams(Settings):
             if self.denoising_steps > block:
                 raise SettingError("denoising_steps", f"denoising_steps ({self.denoising_steps}) exceeds the block "
                                                       f"size ({block}): a step must unmask at least one token")
+            if self.cuda_graphs and self.cache == "none":
+                raise SettingError("cuda_graphs", "cuda_graphs replays cached decode forwards: it needs cache "
+                                                  "'prefix', not 'none'")
         else:
+            if self.cuda_graphs:
+                raise SettingError("cuda_graphs", "cuda_graphs is built for block models (TraDo / SDAR / LLaDA2 "
+                                                  "families); full-attention samplers run without it")
             if self.editing_threshold is not None:
                 raise SettingError("editing_threshold", "token editing (editing_threshold) is for block models "
                                                         "(LLaDA2.1); full-attention samplers do not edit")

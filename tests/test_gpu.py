@@ -51,6 +51,32 @@ def test_sampler_tokens_on_cuda_equal_cpu(demo_tokenizer, model_base, extra):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_cuda_graphs_give_the_eager_tokens(demo_tokenizer, monkeypatch):
+    """rollout.cuda_graphs on CUDA: decode forwards captured once per (batch bucket, shape) and replayed give the
+    eager sampler's tokens and log-probs (fp32), with rows joining and leaving (max_active 3); in bf16 the run is
+    captured too (no fallback warning) and completes every response."""
+    import warnings
+
+    from sample.block_runners import StaticRunner
+
+    captures = []
+    capture = StaticRunner._capture
+    monkeypatch.setattr(StaticRunner, "_capture", lambda self, *a: captures.append(a) or capture(self, *a))
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[], ignore_eos=True, max_active=3)
+    adapter = on(sharp_tiny("sdar", demo_tokenizer, seed=1), "cuda")
+    eager = generate(adapter, prompts_of(), params, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to eager forwards fails the test
+        graphed = generate(adapter, prompts_of(), dataclasses.replace(params, cuda_graphs=True), progress=False)
+        assert captures and len(captures) == len(set(captures))  # each shape captured once, then replayed
+        bf16 = generate(on(adapter, "cuda", torch.bfloat16), prompts_of(),
+                        dataclasses.replace(params, cuda_graphs=True), progress=False)
+    assert [(t.response_ids, t.step_map) for t in graphed] == [(t.response_ids, t.step_map) for t in eager]
+    for a, b in zip(graphed, eager):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert all(len(t.response_ids) == 12 for t in bf16)
+
+
 def test_flex_attention_equals_sdpa_in_training(tiny):
     adapter = on(tiny("sdar", seed=1, size="demo"), "cuda")  # head dimension 32: FlexAttention needs >= 16
     trajs = fake_batch(adapter, n=4)

@@ -291,3 +291,100 @@ def test_lm_head_on_masked_positions_only_gives_the_tokens_of_a_head_everywhere(
     for a, b in zip(ours, everywhere):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     assert sum(n for n, _ in heads) < sum(total for _, total in heads)  # fewer LM-head rows than positions
+
+
+# ---------------------------------------------------------------- fixed-capacity cache (rollout.cuda_graphs)
+
+
+@pytest.mark.parametrize("fuse_max_tokens", [0, 10_000])
+@pytest.mark.parametrize(("strategy", "temperature"), [("low_confidence_static", 0.0),
+                                                        ("low_confidence_dynamic", 1.0)])
+def test_the_fixed_capacity_cache_gives_the_growing_caches_tokens(sdar, monkeypatch, strategy, temperature,
+                                                                  fuse_max_tokens):
+    """``cuda_graphs``: decode forwards over a fixed-capacity cache with the rows padded to a bucket (run eagerly on
+    CPU) give the growing cache's tokens, step maps and log-probs, with rows joining and leaving (max_active 3) and
+    finished blocks stored fused or riding alone, in the same number of forwards."""
+    from sample import block_sampler
+
+    monkeypatch.setattr(block_sampler, "FUSE_MAX_TOKENS", {"cpu": fuse_max_tokens, "cuda": fuse_max_tokens})
+    monkeypatch.setattr(block_sampler, "FUSE_CARRYING_SHARE", 0.5 if fuse_max_tokens else 1.0)
+    params = _greedy(max_active=3, remasking_strategy=strategy, dynamic_threshold=0.5, temperature=temperature,
+                     seed=3)
+    growing = generate(sdar, prompts_of(), params, progress=False)
+    static = generate(sdar, prompts_of(), replace(params, cuda_graphs=True), progress=False)
+    assert [_key(t) for t in static] == [_key(t) for t in growing]
+    for s, g in zip(static, growing):
+        assert s.logprobs == pytest.approx(g.logprobs, abs=1e-5)
+    assert static.stats.forwards == growing.stats.forwards
+
+
+def test_the_fixed_capacity_cache_repacks_and_grows_when_the_batch_outgrows_it(sdar, monkeypatch):
+    """Started too small (no room reserved for the responses, one block of slack), the cache repacks its invalid
+    columns away in place and, when that is not enough, grows (new buffers: the graphs would be captured again);
+    the tokens stay the growing cache's."""
+    from sample import block_runners
+    from sample.kv_batch import StaticKVCache
+
+    events = []
+    repack, grow, init = StaticKVCache.repack, block_runners.StaticRunner._grow, block_runners.StaticRunner.__init__
+    monkeypatch.setattr(StaticKVCache, "repack", lambda self, *a: events.append("repack") or repack(self, *a))
+    monkeypatch.setattr(block_runners.StaticRunner, "_grow", lambda self, *a: events.append("grow") or grow(self, *a))
+    monkeypatch.setattr(block_runners.StaticRunner, "__init__",
+                        lambda self, *a, **kw: init(self, *a, **{**kw, "capacity_hint": 0}))
+    monkeypatch.setattr(block_runners, "REPACK_SLACK", 1)
+    params = _greedy(max_tokens=40, max_active=3, remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.5)
+    growing = generate(sdar, prompts_of(), params, progress=False)
+    static = generate(sdar, prompts_of(), replace(params, cuda_graphs=True), progress=False)
+    assert [_key(t) for t in static] == [_key(t) for t in growing]
+    assert "repack" in events and "grow" in events
+
+
+def test_batch_buckets():
+    from sample.block_runners import bucket_for
+
+    got = [bucket_for(n) for n in (1, 2, 3, 5, 9, 16, 17, 25, 33, 100, 129, 256, 257, 600)]
+    assert got == [1, 2, 4, 8, 16, 16, 24, 32, 48, 128, 192, 256, 512, 768]
+
+
+def test_padding_rows_never_leak_into_real_rows_or_the_cache(sdar):
+    """3 rows run in a bucket of 4: whatever the padding slot holds (its inputs, its cached keys, made valid),
+    the real rows' hidden states are the same bit for bit, and equal the growing cache's; a storing forward never
+    makes a column of a padding slot valid."""
+    from sample.block_runners import CachedRunner, StaticRunner
+    from sample.engine import RolloutStats
+
+    prompts = [p for p in prompts_of() if len(p) >= B][:3]
+    prefixes = [torch.tensor(p[: len(p) // B * B]) for p in prompts]
+    tokens = torch.full((3, B), sdar.mask_id)
+    tokens[:, 0] = torch.tensor([p[-1] for p in prompts])
+    positions = torch.tensor([len(p) for p in prefixes])[:, None] + torch.arange(B)
+    static, growing = StaticRunner(sdar, B, RolloutStats(), capacity_hint=16), CachedRunner(sdar, B, RolloutStats())
+    with torch.inference_mode():
+        for runner in (static, growing):
+            runner.admit(prefixes)
+        assert static.store.slots == 4
+        want = growing.step(tokens, positions, None, None)
+        clean = static.step(tokens, positions, None, None).clone()
+        torch.testing.assert_close(clean, want, atol=1e-5, rtol=1e-5)
+        static.inputs["ids"][3] = 11  # garbage in the padding slot
+        static.inputs["pos"][3] = torch.arange(2 * B) + 37
+        static.store.keys[:, 3] = 1e4
+        static.store.valid[3, :8] = True
+        assert torch.equal(static.step(tokens, positions, None, None), clean)
+        static.store.valid[3] = False
+        carry, carrying = tokens.clone(), torch.tensor([True, False, True])
+        static.step(tokens, positions + B, carry, carrying, fused=True)  # stores the carried blocks
+        assert not static.store.valid[3:].any()
+        stored = static.store.valid[:, static.store.end - B:static.store.end]
+        assert stored[[0, 2]].all() and not stored[1].any()
+
+
+def test_cuda_graphs_is_refused_where_it_is_not_built_in_one_line(sdar, demo_tokenizer):
+    from core.schema import SettingError
+    from tests.test_sampler_utils import sharp_tiny
+
+    _greedy(cuda_graphs=True).check_for(sdar)
+    with pytest.raises(SettingError, match="cuda_graphs replays cached decode forwards: it needs cache 'prefix'"):
+        _greedy(cuda_graphs=True, cache="none").check_for(sdar)
+    with pytest.raises(SettingError, match="cuda_graphs is built for block models"):
+        _greedy(cuda_graphs=True).check_for(sharp_tiny("dream", demo_tokenizer))

@@ -1,0 +1,269 @@
+"""Model runners of the block sampler: one forward of the active blocks of every row, against a cache.
+
+``CachedRunner`` keeps a growing batched cache (``sample.kv_batch.BatchKVCache``): rows join, leave and are
+repacked, so the shapes of its forwards change from step to step. ``StaticRunner`` (``rollout.cuda_graphs``) runs the
+same steps on a fixed-capacity cache with the rows padded to a bucket, so a forward has one of three shapes per
+bucket and, on CUDA, is captured once as a CUDA graph and replayed with its inputs copied in (on CPU the same
+static-shape path runs eagerly: what the tests pin). ``RecomputeRunner`` is the reference path without a cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.common import AttentionLayout, stored_columns
+from sample.engine import RolloutStats
+from sample.kv_batch import BatchKVCache, StaticKVCache
+
+PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
+REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a repack
+# Padded batch sizes of graphed forwards: a few graphs cover every batch, padding at most a third of the rows
+# past 16 (as vLLM / nano-vllm bucket theirs).
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def bucket_for(rows: int) -> int:
+    """The padded batch a forward of ``rows`` rows runs at: the smallest bucket that holds them (past the largest
+    bucket, the next multiple of it)."""
+    for size in GRAPH_BUCKETS:
+        if rows <= size:
+            return size
+    top = GRAPH_BUCKETS[-1]
+    return -(-rows // top) * top
+
+
+class CachedRunner:
+    """Runs the model over active blocks against a batched commit-semantics KV cache."""
+
+    stores_blocks = True  # a finished block's K/V are stored by the next forward (it carries the block)
+
+    def __init__(self, adapter, block_size: int, stats: RolloutStats):
+        self.adapter, self.b, self.stats = adapter, block_size, stats
+        self.num_layers = len(adapter.new_cache().keys)
+        self.cache: BatchKVCache | None = None
+
+    def admit(self, prefixes: list[Tensor]) -> None:
+        """Prefill the complete prompt blocks of new rows and append the rows to the batch cache."""
+        for chunk in _chunks(prefixes, PREFILL_TOKENS):
+            self.cache = BatchKVCache.join(self.cache, self._prefill(chunk))
+
+    def _prefill(self, prefixes: list[Tensor]) -> BatchKVCache:
+        device = prefixes[0].device
+        width = max(p.numel() for p in prefixes)
+        if width == 0:
+            return BatchKVCache.empty(len(prefixes), self.num_layers, device)
+        ids = torch.stack([F.pad(p, (0, width - p.numel()), value=self.adapter.pad_id) for p in prefixes])
+        valid = torch.stack([torch.arange(width, device=device) < p.numel() for p in prefixes])
+        pos = torch.arange(width, device=device).expand_as(ids)
+        cache = BatchKVCache(self.num_layers)
+        self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b, valid), cache, store_kv=True)
+        self.stats.forwards += 1
+        return cache
+
+    def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
+             fused: bool = True) -> Tensor:
+        """Hidden states [R, b, H] of the active blocks. With ``carry``, rows in ``carrying`` also hold their
+        finished previous block, whose K/V are stored: fused, it runs in front of the active block in the same
+        row (for the other rows those columns are padding: invalid keys, repacked later); not fused, it runs
+        instead of the active block (those rows' hidden states are then not used)."""
+        self.stats.forwards += 1
+        if carry is None:
+            return self._forward(tokens, positions, None, False)
+        if not fused:
+            ids = torch.where(carrying[:, None], carry, tokens)
+            return self._forward(ids, positions - self.b * carrying[:, None].long(), None, True, keep=carrying)
+        ids = torch.cat([carry, tokens], 1)
+        pos = torch.cat([(positions - self.b).clamp(min=0), positions], 1)
+        valid = torch.cat([carrying[:, None].expand(-1, self.b), torch.ones_like(tokens, dtype=torch.bool)], 1)
+        return self._forward(ids, pos, valid, self.b)[:, self.b:]
+
+    def _forward(self, ids: Tensor, pos: Tensor, valid: Tensor | None, store: bool | int,
+                 keep: Tensor | None = None) -> Tensor:
+        """Hidden states of one forward storing ``store`` of its columns (stored columns stay valid only in the
+        rows ``keep`` marks, when given)."""
+        hidden = self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b, valid), self.cache,
+                                     store_kv=store)
+        if keep is not None:
+            self.cache.valid[:, -self.b:] &= keep[:, None]
+        return hidden
+
+    def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
+        """After blocks finished: drop the invalid columns once they exceed the slack (no host sync needed)."""
+        if self.cache.length > max_cached + REPACK_SLACK * self.b:
+            self.cache = self.cache.repack(max_cached)
+
+    def keep(self, rows: Tensor) -> None:
+        self.cache = self.cache.select_rows(rows) if len(rows) else None
+
+
+class StaticRunner(CachedRunner):
+    """``CachedRunner``'s steps on a ``StaticKVCache``: the rows padded to ``bucket_for(rows)`` slots (padding
+    rows hold pad tokens, attend to themselves and never store a valid column), so a forward's shapes depend only
+    on (bucket, width, stored columns). With ``graphs`` (CUDA), each such forward is captured once as a CUDA graph
+    and replayed with the inputs copied into its static buffers; the cache grows (and the graphs are captured
+    again) only when a prompt or the batch outgrows it. ``capacity_hint``: the response budget, so the first
+    allocation holds prompt + response + the repack slack."""
+
+    def __init__(self, adapter, block_size: int, stats: RolloutStats, capacity_hint: int = 0,
+                 graphs: bool = False):
+        super().__init__(adapter, block_size, stats)
+        self.capacity_hint, self.graphs = capacity_hint, graphs
+        self.rows = 0
+        self.store: StaticKVCache | None = None
+        self.inputs: dict[str, Tensor] = {}
+        self.captured: dict[tuple[int, int, bool | int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.pool = None
+
+    def admit(self, prefixes: list[Tensor]) -> None:
+        for chunk in _chunks(prefixes, PREFILL_TOKENS):
+            cache = self._prefill(chunk)
+            self._fit(self.rows + len(chunk), cache)
+            self.store.place(self.rows, cache)
+            self.rows += len(chunk)
+
+    def _fit(self, rows: int, prefill: BatchKVCache) -> None:
+        """Make the cache hold ``rows`` rows and the prefilled prompts with their responses."""
+        need = prefill.length + self.capacity_hint + (REPACK_SLACK + 2) * self.b
+        if self.store is None:
+            self._allocate(bucket_for(rows), need, prefill)
+        elif rows > self.store.slots or need > self.store.capacity:
+            self._grow(bucket_for(max(rows, self.store.slots)), max(need, self.store.capacity))
+
+    def _allocate(self, slots: int, capacity: int, prefill: BatchKVCache) -> None:
+        k = prefill.keys[0]
+        if k is None:  # nothing prefilled: one block's forward gives the cached K/V's heads, width and dtype
+            probe = BatchKVCache(self.num_layers)
+            pos = torch.arange(self.b, device=prefill.valid.device)[None]
+            self.adapter.hidden(torch.full_like(pos, self.adapter.pad_id), pos,
+                                AttentionLayout.block_causal(pos, self.b), probe, store_kv=True)
+            k = probe.keys[0]
+        self.store = StaticKVCache(self.num_layers, slots, k.shape[1], _round_up(capacity, self.b), 2 * self.b,
+                                   k.shape[3], k.dtype, k.device)
+        self._new_inputs(slots)
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        self.store = self.store.resized(slots, _round_up(max(capacity, 2 * self.store.capacity), self.b)
+                                        if capacity > self.store.capacity else self.store.capacity)
+        self._new_inputs(slots)
+
+    def _new_inputs(self, slots: int) -> None:
+        """Static input buffers for forwards up to 2 blocks wide (new addresses: drop the captured graphs)."""
+        device = self.store.valid.device
+        self.inputs = {"ids": torch.full((slots, 2 * self.b), self.adapter.pad_id, dtype=torch.long, device=device),
+                       "pos": torch.arange(2 * self.b, device=device).repeat(slots, 1),
+                       "valid": torch.ones(slots, 2 * self.b, dtype=torch.bool, device=device)}
+        self.captured.clear()
+
+    def _forward(self, ids: Tensor, pos: Tensor, valid: Tensor | None, store: bool | int,
+                 keep: Tensor | None = None) -> Tensor:
+        rows, n = ids.shape
+        stored = stored_columns(store, n)
+        if self.store.end + stored > self.store.capacity:
+            self.store.repack()
+            if self.store.end + stored > self.store.capacity:
+                self._grow(self.store.slots, self.store.capacity + stored)
+        s = bucket_for(rows)
+        buf = {name: t[:s, :n] for name, t in self.inputs.items()}
+        buf["ids"][:rows] = ids  # padding rows keep pad ids at positions 0..n-1, all valid
+        buf["pos"][:rows] = pos
+        buf["valid"][:rows] = True if valid is None else valid
+        hidden = self._replay(s, n, store) if self.graphs else self._run(s, n, store)
+        self.store.commit(stored, rows, keep)
+        if valid is not None:
+            buf["valid"][:rows] = True
+        buf["pos"][:rows] = torch.arange(n, device=pos.device)
+        buf["ids"][:rows] = self.adapter.pad_id
+        return hidden[:rows]
+
+    def _run(self, s: int, n: int, store: bool | int) -> Tensor:
+        pos, valid = self.inputs["pos"][:s, :n], self.inputs["valid"][:s, :n]
+        return self.adapter.hidden(self.inputs["ids"][:s, :n], pos, AttentionLayout.block_causal(pos, self.b, valid),
+                                   self.store.view(s), store_kv=store)
+
+    def _replay(self, s: int, n: int, store: bool | int) -> Tensor:
+        key = (s, n, store)
+        if key not in self.captured:
+            try:
+                self.captured[key] = self._capture(s, n, store)
+            except RuntimeError as exc:  # a forward that reads the device from the host cannot be captured
+                warnings.warn(f"cuda_graphs: this model's forward cannot be captured as a CUDA graph "
+                              f"({str(exc).splitlines()[0]}); sampling on without graphs", stacklevel=2)
+                self.graphs = False
+                return self._run(s, n, store)
+        graph, out = self.captured[key]
+        graph.replay()
+        return out
+
+    def _capture(self, s: int, n: int, store: bool | int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy initialisations and allocator state before capture
+            self._run(s, n, store)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._run(s, n, store)
+        return graph, out
+
+    def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
+        if self.store.end > max_cached + REPACK_SLACK * self.b:
+            self.store.repack(max_cached)
+
+    def keep(self, rows: Tensor) -> None:
+        self.store.keep_rows(rows)
+        self.rows = rows.shape[0]
+
+
+class RecomputeRunner:
+    """Reference path: recompute each row's whole sequence every step with the block-causal layout."""
+
+    stores_blocks = False
+
+    def __init__(self, adapter, block_size: int, stats: RolloutStats):
+        self.adapter, self.b, self.stats = adapter, block_size, stats
+        self.prefixes: list[Tensor] = []
+
+    def admit(self, prefixes: list[Tensor]) -> None:
+        self.prefixes.extend(prefixes)
+
+    def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
+             fused: bool = True) -> Tensor:
+        lengths = [p.numel() for p in self.prefixes]
+        width = max(lengths) + self.b
+        device = tokens.device
+        seqs = [torch.cat([p, t]) for p, t in zip(self.prefixes, tokens)]
+        ids = torch.stack([F.pad(s, (0, width - s.numel()), value=self.adapter.pad_id) for s in seqs])
+        valid = torch.stack([torch.arange(width, device=device) < s.numel() for s in seqs])
+        pos = torch.arange(width, device=device).expand_as(ids)
+        hidden = self.adapter.hidden(ids, pos, AttentionLayout.block_causal(pos, self.b, valid))
+        self.stats.forwards += 1
+        idx = torch.tensor(lengths, device=device)[:, None] + torch.arange(self.b, device=device)
+        return hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+
+    def saved(self, rows: list[int], blocks: Tensor, max_cached: int) -> None:
+        for row, block in zip(rows, blocks):
+            self.prefixes[row] = torch.cat([self.prefixes[row], block])
+
+    def keep(self, rows: Tensor) -> None:
+        self.prefixes = [self.prefixes[i] for i in rows.tolist()]
+
+
+def _chunks(prefixes: list[Tensor], budget: int) -> list[list[Tensor]]:
+    """Split rows into prefill chunks of at most ``budget`` padded tokens (at least one row each)."""
+    out: list[list[Tensor]] = [[]]
+    for p in prefixes:
+        width = max([q.numel() for q in out[-1]] + [p.numel()])
+        if out[-1] and width * (len(out[-1]) + 1) > budget:
+            out.append([])
+        out[-1].append(p)
+    return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
