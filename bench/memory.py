@@ -12,9 +12,10 @@ CUDA ``torch.cuda.max_memory_allocated`` over the step; on CPU the process's pea
 buffers go back to the OS and the resident set follows live tensors. It holds the weights, the gradients, the
 optimizer states and the step's activations; the resident set of the interpreter after its imports, measured before
 the job loads, is subtracted. An RL step is sampling
-(on merged weights with LoRA) + scoring + old log-probs + training; an SFT step is one optimizer step on
-``--sft-samples`` samples. Last, the LoRA r=16 policy's sampling speed on merged weights (what rollouts use) vs
-through peft's unmerged layers (every projection adds its low-rank product and cannot use the packed products).
+(with LoRA on CPU: the packed products, the base weights packed and the adapters beside them) + scoring + old
+log-probs + training; an SFT step is one optimizer step on ``--sft-samples`` samples. Last, the LoRA r=16 policy's
+sampling speed on the packed products (what rollouts use) vs through peft's own layers (each adapted projection
+runs unpacked and adds its low-rank product).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def measure_rl(model: Path, mode: str, out: Path, args) -> dict:
 
 
 def measure_sampling(model: Path, mode: str, out: Path, args) -> dict:
-    """Tokens/s of the LoRA r=16 policy sampling on merged weights (ours) vs through peft's unmerged layers."""
+    """Tokens/s of the LoRA r=16 policy sampling on the packed products (ours) vs through peft's own layers."""
     import contextlib
 
     import models.layers as layers
@@ -238,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {job} {mode}: {json.dumps(results[(mode, job)])}", flush=True)
         speed = _run_child(model, "lora_r16", "sample", args)
     print(table(results, params, size, args))
-    print(f"sampling with LoRA r=16 ({args.tasks * args.k} prompts x {args.tokens} tokens, greedy): merged weights "
-          f"{speed['merged_tok_s']:.1f} tok/s vs peft's unmerged layers {speed['unmerged_tok_s']:.1f} tok/s "
+    print(f"sampling with LoRA r=16 ({args.tasks * args.k} prompts x {args.tokens} tokens, greedy): packed products "
+          f"{speed['merged_tok_s']:.1f} tok/s vs peft's own layers {speed['unmerged_tok_s']:.1f} tok/s "
           f"({speed['merged_tok_s'] / speed['unmerged_tok_s']:.2f}x)")
     return 0
 

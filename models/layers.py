@@ -192,22 +192,32 @@ class PackedLinear:
     every call, which dominates at decode shapes (a few tokens per row, weights streamed from L3): on a 2-core
     AMD EPYC (``bench.cpu_kernels``) a layer's products at 4 tokens cost 2.7-2.9x less pre-packed, at 128 tokens
     1.35x less. Results agree with MKL's to float32 rounding (a different summation order), not bit for bit.
-    peft LoRA layers are packed as their base weights plus a low-rank side product (all active adapters' A
-    stacked, their scaled B block-diagonal): two small products per call, and the packed weight is the base
-    weight exactly, so ``dense_weights`` gives it back bit for bit.
+
+    peft LoRA layers: while a low-rank side product (all active adapters' A stacked, their scaled B block-diagonal)
+    costs at most ``SIDE_PRODUCT_MAX_COST`` of the main product's multiply-adds, the packed weight is the base
+    weight exactly (``exact``: ``dense_weights`` gives it back bit for bit) and the adapters run beside it; past
+    that (high ranks on small layers) the packed weight is base + the adapters' delta, merged.
     """
 
     BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
+    # r=16 on a 768-wide model's groups: 0.05-0.13 (bench.memory: sampling 1.2x slower than merged, one copy of the
+    # weights instead of two); r=128: 0.2-0.8, where merging is the faster choice
+    SIDE_PRODUCT_MAX_COST = 0.25
 
     def __init__(self, layers: Sequence[nn.Module]):
         linears = [_base_linear(m) for m in layers]
         self.sizes = [m.out_features for m in linears]
-        weight = torch.cat([m.weight.detach() for m in linears])
+        low_rank = _stacked_low_rank(layers)
+        cost = 0.0 if low_rank is None else (
+            low_rank[0].shape[0] * (linears[0].in_features + sum(self.sizes))
+            / (linears[0].in_features * sum(self.sizes)))
+        self.exact = cost <= self.SIDE_PRODUCT_MAX_COST
+        self.low_rank = low_rank if self.exact else None
+        weight = torch.cat([_base_linear(m).weight.detach() if self.exact else _effective_weight(m) for m in layers])
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
         biases = [m.bias for m in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat([
             b.detach() if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, linears)])
-        self.low_rank = _stacked_low_rank(layers)
 
     def __call__(self, x: Tensor, split: bool = True) -> Tensor | tuple[Tensor, ...]:
         y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -217,8 +227,27 @@ class PackedLinear:
         return y.split(self.sizes, -1) if split and len(self.sizes) > 1 else y
 
     def dense_weights(self) -> list[Tensor]:
-        """The layers' weights in their own layout, equal bit for bit to those packed (a reorder loses nothing)."""
+        """The layers' weights in their own layout, equal bit for bit to those packed (a reorder loses nothing);
+        for an ``exact`` product only."""
         return [w.clone() for w in self.weight.to_dense().split(self.sizes)]
+
+
+def _active_lora(module: nn.Module) -> list[str]:
+    """The names of a peft LoRA layer's adapters that its forward applies (none for a plain or merged layer)."""
+    if module is _base_linear(module) or module.merged or getattr(module, "disable_adapters", False):
+        return []
+    return [name for name in module.active_adapters if name in module.lora_A]
+
+
+def _effective_weight(module: nn.Module) -> Tensor:
+    """The weight of the product a layer computes: its own, or a LoRA layer's base weight plus the delta of its
+    active adapters."""
+    weight = _base_linear(module).weight.detach()
+    names = _active_lora(module)
+    if not names:
+        return weight
+    with torch.no_grad():
+        return weight + sum(module.get_delta_weight(name) for name in names).to(weight.dtype)
 
 
 def _stacked_low_rank(layers: Sequence[nn.Module]) -> tuple[Tensor, Tensor] | None:
@@ -226,12 +255,8 @@ def _stacked_low_rank(layers: Sequence[nn.Module]) -> tuple[Tensor, Tensor] | No
 
     A stacks every active adapter's ``lora_A`` rows; B is block-diagonal: each adapter's ``scaling * lora_B`` in
     its layer's output rows and its own rank columns."""
-    pieces = []  # (layer index, A, scaled B)
-    for i, m in enumerate(layers):
-        if m is _base_linear(m) or m.merged or getattr(m, "disable_adapters", False):
-            continue
-        pieces += [(i, m.lora_A[name].weight.detach(), m.lora_B[name].weight.detach() * m.scaling[name])
-                   for name in m.active_adapters if name in m.lora_A]
+    pieces = [(i, m.lora_A[name].weight.detach(), m.lora_B[name].weight.detach() * m.scaling[name])
+              for i, m in enumerate(layers) for name in _active_lora(m)]  # (layer index, A, scaled B)
     if not pieces:
         return None
     sizes = [_base_linear(m).out_features for m in layers]
@@ -272,9 +297,9 @@ def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
     """Within: every ``Projections`` module of ``model`` runs its groups pre-packed where ``packing_applies``.
 
     For sampling only: the packed copies are taken on entry (later weight updates are not seen) and carry no
-    gradient, so ``project`` ignores them whenever autograd is on. With ``park`` the packed weights stand in for
-    the layers' own: those are parked (an empty tensor) until exit, then given back bit for bit from the packed
-    copy, so sampling holds one copy of the weights, not two; nothing may read them inside (a scoped
+    gradient, so ``project`` ignores them whenever autograd is on. With ``park`` the packed weights of an ``exact``
+    product stand in for the layers' own: those are parked (an empty tensor) until exit, then given back bit for
+    bit from the packed copy, so sampling holds one copy of the weights, not two; nothing may read them inside (a scoped
     ``sample.generate`` parks; a server holding the packing for its lifetime does not). Never parked: a weight
     shared with another module (a tied LM head), and one that is a map of its checkpoint file (a model loaded
     memory-mapped and never written: its pages stay while any tensor of the file lives, so parking would add a
@@ -296,9 +321,10 @@ def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
                 layers = [_packable(getattr(module, name)) for name in names]
                 if any(m is None for m in layers):
                     continue  # another wrapped layer runs as is
-                module._packed[group] = PackedLinear(layers)
+                packed = module._packed[group] = PackedLinear(layers)
                 linears = [_base_linear(m) for m in layers]
-                if park and all(uses.get(id(m.weight)) == 1 and not in_file(m.weight.data_ptr()) for m in linears):
+                if park and packed.exact and all(uses.get(id(m.weight)) == 1 and not in_file(m.weight.data_ptr())
+                                                 for m in linears):
                     for m in linears:
                         m.weight.data = m.weight.data.new_empty(0)
                     parked[id(module), group] = linears

@@ -7,8 +7,10 @@ weights, adapter checkpoints and merging an adapter into a whole checkpoint.
   trainer's optimizer (AdamW over ``requires_grad`` parameters) holds only the adapter's.
 * Sampling runs merged weights, or an equivalent that copies nothing. On CPU the pre-packed products of
   ``models.layers.packed_projections`` hold the base weights (in place of the model's own, parked while
-  ``sample.generate`` samples) and add each adapter's low-rank product beside them: the weights held while
-  sampling are one copy, as without LoRA, and the frozen base weights come back bit for bit. Elsewhere (GPU,
+  ``sample.generate`` samples) and add the adapters' low-rank products beside them: the weights held while
+  sampling are one copy, as without LoRA, and the frozen base weights come back bit for bit (where the side
+  product would cost over a quarter of the layer's own, at high ranks, the packed weight is base + delta merged
+  and the base stays). Elsewhere (GPU,
   16-bit) ``merged_for_sampling`` (entered by ``sample.generate``) merges the adapters into copies of the base
   weights and restores the original tensors after, bit for bit (no subtraction: repeated merge / unmerge would
   drift the frozen weights in 16-bit); the copies cost one transient copy of the adapted weights. 4-bit (QLoRA)

@@ -19,6 +19,7 @@ def test_quick_cpu_run_measures_every_section_but_the_smoke_runs(tmp_path):
     sampler = result["sampler"]
     assert {(r["strategy"], r["batch"]) for r in sampler} == {(s, b) for s in ("static", "dynamic") for b in (1, 3)}
     assert all(r["tok_s"] > 0 and r["cold_tok_s"] > 0 and 0 < r["forwards_per_token"] <= 2 for r in sampler)
+    assert all(r["graphs_tok_s"] > 0 and "graphs_error" not in r for r in sampler)  # the static path, eager on CPU
     assert [r["batch"] for r in result["fuse"]] == [1, 3]
     assert all(r["fused_over_separate"] == pytest.approx(r["fused_tok_s"] / r["separate_tok_s"])
                for r in result["fuse"])

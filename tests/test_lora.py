@@ -65,9 +65,10 @@ def test_fresh_adapter_is_the_base_model_exactly_and_only_adapters_train(tiny, b
     assert heads and all(type(m) is torch.nn.Linear for m in heads)  # the LM head is not adapted (LLaDA: ff_out)
 
 
-def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny):
+@pytest.mark.parametrize("rank", [1, 4])
+def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny, rank):
     adapter = tiny("sdar")
-    wrap(adapter, LoraSettings(enabled=True, rank=4, alpha=8))
+    wrap(adapter, LoraSettings(enabled=True, rank=rank, alpha=2 * rank))
     with torch.no_grad():
         for n, p in adapter.model.named_parameters():
             if "lora_B" in n:
@@ -83,16 +84,23 @@ def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny)
     assert all(torch.equal(base[k], after[k]) for k in base)
     assert not any(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
     assert torch.equal(logits(adapter), unmerged)
-    # with packing (CPU, fp32; sample.generate's order): the packed products hold the base weights and add the
-    # adapters beside them, every group is packed, merging then touches nothing (no layer merged, no weight
-    # copied), and the base weights the products stand for are parked inside and back bit for bit after
-    projected = {n for n, _ in adapter.model.named_parameters() if n.endswith(("base_layer.weight", "lm_head.weight"))}
-    pointers = {n: p.data_ptr() for n, p in adapter.model.named_parameters() if n not in projected}
+    # with packing (CPU, fp32; sample.generate's order): every group is packed and merging then touches nothing
+    # (no layer merged, no weight copied). A group whose adapters cost little beside it (rank 1 here) holds the
+    # base weights exactly and adds the adapters as a side product: its base weights are parked inside and back
+    # bit for bit after; a costlier one (rank 4 on 32-wide layers: the attention groups) holds base + delta
+    # merged and parks nothing
+    weights = {id(p): n for n, p in adapter.model.named_parameters()}
+    pointers = {n: p.data_ptr() for n, p in adapter.model.named_parameters()}
     with packed_projections(adapter.model, park=True), merged_for_sampling(adapter.model):
         assert all(len(m._packed) == len(m.projection_groups) for m in projections)
         assert not any(m.merged for m in adapter.model.modules() if hasattr(m, "lora_A"))
-        assert {n: p.data_ptr() for n, p in adapter.model.named_parameters() if n not in projected} == pointers
-        assert {n for n, p in adapter.model.named_parameters() if p.numel() == 0} == projected
+        exact = {weights[id(getattr(getattr(m, name), "base_layer", getattr(m, name)).weight)] for m in projections
+                 for group, names in m.projection_groups.items() if m._packed[group].exact for name in names}
+        assert (exact == set(pointers) & {n for n in pointers if n.endswith(("base_layer.weight", "lm_head.weight"))}
+                ) == (rank == 1)
+        assert {n for n, p in adapter.model.named_parameters() if p.numel() == 0} == exact
+        assert {n: p.data_ptr() for n, p in adapter.model.named_parameters() if n not in exact} == \
+            {n: ptr for n, ptr in pointers.items() if n not in exact}
         packed = logits(adapter)
     assert (packed - unmerged).abs().max() < 1e-5 and (packed - merged).abs().max() < 1e-5
     assert not any("_served_packed" in m.__dict__ for m in adapter.model.modules())
