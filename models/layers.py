@@ -299,20 +299,17 @@ def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
     For sampling only: the packed copies are taken on entry (later weight updates are not seen) and carry no
     gradient, so ``project`` ignores them whenever autograd is on. With ``park`` the packed weights of an ``exact``
     product stand in for the layers' own: those are parked (an empty tensor) until exit, then given back bit for
-    bit from the packed copy, so sampling holds one copy of the weights, not two; nothing may read them inside (a scoped
-    ``sample.generate`` parks; a server holding the packing for its lifetime does not). Never parked: a weight
-    shared with another module (a tied LM head), and one that is a map of its checkpoint file (a model loaded
-    memory-mapped and never written: its pages stay while any tensor of the file lives, so parking would add a
-    copy, not free one).
+    bit from the packed copy, so sampling holds one copy of the weights, not two; nothing may read them inside (a
+    scoped ``sample.generate`` parks; a server holding the packing for its lifetime does not). Never parked: a
+    weight shared with another module (a tied LM head), and one that is a map of its checkpoint file (a model
+    loaded memory-mapped and never written: its pages stay while any tensor of the file lives, so parking would add
+    a copy, not free one).
     """
     # Nested use (a server's driver thread holds the packing while an offline ``generate`` runs) packs only what
     # is not packed yet and unpacks only that: the outer holder keeps its packed weights.
     modules = [m for m in model.modules() if isinstance(m, Projections) and "_packed" not in m.__dict__] \
         if packing_applies(model) else []
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
-    in_file = _file_mapped() if park and modules else (lambda ptr: True)
+    parkable = _parkable(model) if park and modules else (lambda weight: False)
     parked: dict[tuple[int, str], list[nn.Linear]] = {}  # (module, group) -> the layers whose weights it holds
     try:
         for module in modules:
@@ -323,8 +320,7 @@ def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
                     continue  # another wrapped layer runs as is
                 packed = module._packed[group] = PackedLinear(layers)
                 linears = [_base_linear(m) for m in layers]
-                if park and packed.exact and all(uses.get(id(m.weight)) == 1 and not in_file(m.weight.data_ptr())
-                                                 for m in linears):
+                if packed.exact and all(parkable(m.weight) for m in linears):
                     for m in linears:
                         m.weight.data = m.weight.data.new_empty(0)
                     parked[id(module), group] = linears
@@ -333,18 +329,33 @@ def packed_projections(model: nn.Module, park: bool = False) -> Iterator[None]:
                         m._served_packed = True
         yield
     finally:
-        for module in modules:  # a group's packed product is dropped as soon as its layers have their weights back
-            packed_groups = module.__dict__.pop("_packed", {})
-            for group in list(packed_groups):
-                packed = packed_groups.pop(group)
-                linears = parked.get((id(module), group))
-                if linears:
-                    for m, weight in zip(linears, packed.dense_weights(), strict=True):
-                        m.weight.data = weight
-                del packed
-            for names in module.projection_groups.values():
-                for name in names:
-                    getattr(module, name).__dict__.pop("_served_packed", None)
+        for module in modules:
+            _unpack(module, parked)
+
+
+def _parkable(model: nn.Module) -> Callable[[Tensor], bool]:
+    """Whether a weight of ``model`` may be parked: used by one module only, and not a map of its checkpoint file."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    in_file = _file_mapped()
+    return lambda weight: uses.get(id(weight)) == 1 and not in_file(weight.data_ptr())
+
+
+def _unpack(module: nn.Module, parked: dict[tuple[int, str], list[nn.Linear]]) -> None:
+    """Drop a module's packed products, each right after its parked layers have their weights back (so the last
+    restore never holds both copies of the model)."""
+    products = module.__dict__.pop("_packed", {})
+    for group in list(products):
+        packed = products.pop(group)
+        layers = parked.get((id(module), group))
+        if layers:
+            for m, weight in zip(layers, packed.dense_weights(), strict=True):
+                m.weight.data = weight
+        del packed
+    for names in module.projection_groups.values():
+        for name in names:
+            getattr(module, name).__dict__.pop("_served_packed", None)
 
 
 def _file_mapped() -> Callable[[int], bool]:
