@@ -187,6 +187,8 @@ def test_logprobs_are_the_samplers_record_of_each_token(server, sdar):
     lp = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, logprobs=0).choices[0].logprobs
     assert "".join(lp.tokens) == raw_text and lp.text_offset[0] == 0
     assert lp.text_offset == sorted(lp.text_offset) and lp.top_logprobs is None
+    ids = raw.response_ids[:len(lp.tokens)]  # where each token starts: the length of the text before it
+    assert lp.text_offset == [len(sdar.tokenizer.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
     assert lp.token_logprobs == pytest.approx(raw.logprobs[:len(lp.tokens)], abs=1e-4)
 
     stop = text[len(text) // 2:len(text) // 2 + 2]
