@@ -102,7 +102,7 @@ class CachedRunner:
 
 class StaticRunner(CachedRunner):
     """``CachedRunner``'s steps on a ``StaticKVCache``: the rows padded to ``bucket_for(rows)`` slots (padding
-    rows hold pad tokens, attend to themselves and never store a valid column), so a forward's shapes depend only
+    rows attend within their own block and never store a valid column), so a forward's shapes depend only
     on (bucket, width, stored columns). With ``graphs`` (CUDA), each such forward is captured once as a CUDA graph
     and replayed with the inputs copied into its static buffers; the cache grows (and the graphs are captured
     again) only when a prompt or the batch outgrows it. ``capacity_hint``: the response budget, so the first
@@ -168,15 +168,12 @@ class StaticRunner(CachedRunner):
                 self._grow(self.store.slots, self.store.capacity + stored)
         s = bucket_for(rows)
         buf = {name: t[:s, :n] for name, t in self.inputs.items()}
-        buf["ids"][:rows] = ids  # padding rows keep pad ids at positions 0..n-1, all valid
+        buf["ids"][:rows] = ids
         buf["pos"][:rows] = pos
         buf["valid"][:rows] = True if valid is None else valid
+        buf["valid"][rows:] = True  # padding rows (whatever tokens rows before left there) see their own block
         hidden = self._replay(s, n, store) if self.graphs else self._run(s, n, store)
         self.store.commit(stored, rows, keep)
-        if valid is not None:
-            buf["valid"][:rows] = True
-        buf["pos"][:rows] = torch.arange(n, device=pos.device)
-        buf["ids"][:rows] = self.adapter.pad_id
         return hidden[:rows]
 
     def _run(self, s: int, n: int, store: bool | int) -> Tensor:

@@ -94,14 +94,12 @@ class BatchKVCache(KVCache):
         Column order is kept (RoPE is already applied, so only relative order within a row matters)."""
         if self.valid is None or self.keys[0] is None:
             return self
-        counts = self.valid.sum(1)
-        width = int(counts.max()) if width is None else width
-        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        order, valid = _left_packed(self.valid, width)
         out = BatchKVCache(len(self.keys))
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
-            idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], width, k.shape[3])
+            idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], order.shape[1], k.shape[3])
             out.keys[layer], out.values[layer] = k.gather(2, idx), v.gather(2, idx)
-        out.valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+        out.valid = valid
         return out
 
     def replace_rows(self, rows: Tensor, sub: BatchKVCache) -> BatchKVCache:
@@ -119,6 +117,15 @@ class BatchKVCache(KVCache):
         valid[rows] = F.pad(sub.valid, (0, width - sub.length), value=False)
         out.valid = valid
         return out.compact()
+
+
+def _left_packed(valid: Tensor, width: int | None) -> tuple[Tensor, Tensor]:
+    """(column order, validity) of ``valid`` [rows, T] with every row's valid columns moved to the left in their
+    order, ``width`` columns kept (default: the most any row has): gather a cache's columns by the order."""
+    counts = valid.sum(1)
+    width = int(counts.max()) if width is None else width
+    order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+    return order, torch.arange(width, device=valid.device)[None, :] < counts[:, None]
 
 
 def _pad_cols(t: Tensor, width: int) -> Tensor:
@@ -197,14 +204,13 @@ class StaticKVCache:
     def repack(self, width: int | None = None) -> None:
         """Every slot's valid columns moved to its first columns, in place (the buffers keep their addresses);
         ``end`` becomes ``width`` (default: the most any slot holds)."""
-        counts = self.valid.sum(1)
-        width = int(counts.max()) if width is None else width
-        order = torch.sort((~self.valid[:, :self.end]).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        order, valid = _left_packed(self.valid[:, :self.end], width)
+        width = order.shape[1]
         layers, slots, heads, _, dim = self.keys.shape
         idx = order[None, :, None, :, None].expand(layers, slots, heads, width, dim)
         for buf in (self.keys, self.values):
             buf[:, :, :, :width] = buf[:, :, :, :self.end].gather(3, idx)
-        self.valid[:, :width] = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+        self.valid[:, :width] = valid
         self.valid[:, width:] = False
         self.end = width
 
