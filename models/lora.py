@@ -10,11 +10,10 @@ weights, adapter checkpoints and merging an adapter into a whole checkpoint.
   ``sample.generate`` samples) and add the adapters' low-rank products beside them: the weights held while
   sampling are one copy, as without LoRA, and the frozen base weights come back bit for bit (where the side
   product would cost over a quarter of the layer's own, at high ranks, the packed weight is base + delta merged
-  and the base stays). Elsewhere (GPU,
-  16-bit) ``merged_for_sampling`` (entered by ``sample.generate``) merges the adapters into copies of the base
-  weights and restores the original tensors after, bit for bit (no subtraction: repeated merge / unmerge would
-  drift the frozen weights in 16-bit); the copies cost one transient copy of the adapted weights. 4-bit (QLoRA)
-  layers are not merged (it would requantise): they sample as is.
+  and the base stays). Elsewhere (GPU, 16-bit) ``merged_for_sampling`` (entered by ``sample.generate``) merges the
+  adapters into copies of the base weights and restores the original tensors after, bit for bit (no subtraction:
+  repeated merge / unmerge would drift the frozen weights in 16-bit); the copies cost one transient copy of the
+  adapted weights. 4-bit (QLoRA) layers are not merged (it would requantise): they sample as is.
 * Checkpoints: a PeftModel's ``save_pretrained`` writes the adapter in peft's format (``adapter_config.json``,
   ``adapter_model.safetensors``); ``python -m tools.merge_lora`` writes a whole checkpoint with the adapter merged
   (``merged_model``) that ``load_model`` and eval.py read; ``load_model`` with ``model.adapter`` merges one at load.
