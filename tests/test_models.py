@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 
 import pytest
 import torch
@@ -437,6 +438,8 @@ def test_a_tied_head_is_packed_but_never_parked(tiny):
 
 
 @needs_onednn
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
+                    reason="mappings are read from /proc (Linux): elsewhere nothing is parked")
 def test_weights_mapped_from_their_checkpoint_are_never_parked(demo_tokenizer, tmp_path):
     """A model loaded memory-mapped shares one map with its whole file: parking one tensor would free nothing and
     its restored copy would add a copy, so mapped weights stay; read into the process's own memory
