@@ -156,7 +156,10 @@ class StaticRunner(CachedRunner):
         self.inputs = {"ids": torch.full((slots, 2 * self.b), self.adapter.pad_id, dtype=torch.long, device=device),
                        "pos": torch.arange(2 * self.b, device=device).repeat(slots, 1),
                        "valid": torch.ones(slots, 2 * self.b, dtype=torch.bool, device=device)}
+        # the dropped graphs release their memory pool; capturing into a released pool trips an internal assert of
+        # torch's caching allocator (seen on torch 2.11, H100), so the next captures take a fresh pool
         self.captured.clear()
+        self.pool = None
 
     def _forward(self, ids: Tensor, pos: Tensor, valid: Tensor | None, store: bool | int,
                  keep: Tensor | None = None) -> Tensor:
