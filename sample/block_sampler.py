@@ -105,7 +105,7 @@ class BlockSampler:
         self.stats = RolloutStats()
         if params.cache == "none":
             self.runner = RecomputeRunner(adapter, self.b, self.stats)
-        elif params.cuda_graphs:
+        elif params.cuda_graphs or (params.cuda_graphs is None and self.device.type == "cuda"):
             self.runner = StaticRunner(adapter, self.b, self.stats, capacity_hint=params.max_tokens,
                                        graphs=self.device.type == "cuda")
         else:

@@ -388,3 +388,15 @@ def test_cuda_graphs_is_refused_where_it_is_not_built_in_one_line(sdar, demo_tok
         _greedy(cuda_graphs=True, cache="none").check_for(sdar)
     with pytest.raises(SettingError, match="cuda_graphs is built for block models"):
         _greedy(cuda_graphs=True).check_for(sharp_tiny("dream", demo_tokenizer))
+
+
+def test_the_fixed_capacity_cache_gives_the_growing_caches_tokens_with_token_editing(sdar):
+    """Token editing (post steps after a block's last mask) on the fixed-capacity cache: the growing cache's
+    tokens, step maps and rewrites, in the same number of forwards (on CUDA this path is the default)."""
+    params = _greedy(max_active=3, remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.5,
+                     editing_threshold=0.05, max_post_steps=2, temperature=1.0, seed=5)
+    growing = generate(sdar, prompts_of(), replace(params, cuda_graphs=False), progress=False)
+    static = generate(sdar, prompts_of(), replace(params, cuda_graphs=True), progress=False)
+    assert [_key(t) + (t.rewrites,) for t in static] == [_key(t) + (t.rewrites,) for t in growing]
+    assert any(any(t.rewrites) for t in growing)  # the edits happen
+    assert static.stats.forwards == growing.stats.forwards
