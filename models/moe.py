@@ -103,6 +103,16 @@ class FusedExperts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
         return grouped_expert_compute(x, weights, index, self.gate_up_proj, self.down_proj)
 
+    def host_sync_free(self) -> bool:
+        """Whether both projections run as one grouped product each (nothing read back to the host)."""
+        return all(grouped_mm_runs(w.new_empty(0, w.shape[-1]), w) for w in (self.gate_up_proj, self.down_proj))
+
+
+def expert_layers_sync_free(model: nn.Module) -> bool:
+    """Whether every fused expert layer of ``model`` (none in a dense model) computes without a host sync, as a CUDA
+    graph capture needs; the per-expert split copies the expert counts to the host."""
+    return all(m.host_sync_free() for m in model.modules() if isinstance(m, FusedExperts))
+
 
 def grouped_expert_compute(x: Tensor, weights: Tensor, index: Tensor, gate_up: Tensor, down: Tensor,
                            grouped: bool | None = None) -> Tensor:

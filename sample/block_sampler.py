@@ -27,11 +27,13 @@ the authors' generate does. Each token's record (step, log-prob, confidence) is 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from models.moe import expert_layers_sync_free
 from sample.block_runners import CachedRunner, RecomputeRunner, StaticRunner
 from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence
 from sample.params import SamplingParams
@@ -103,11 +105,11 @@ class BlockSampler:
         self.limit = limit
         self.device = next(adapter.model.parameters()).device
         self.stats = RolloutStats()
+        graphs = params.cache != "none" and params.cuda_graphs is not False and self._capturable()
         if params.cache == "none":
             self.runner = RecomputeRunner(adapter, self.b, self.stats)
-        elif params.cuda_graphs or (params.cuda_graphs is None and self.device.type == "cuda"):
-            self.runner = StaticRunner(adapter, self.b, self.stats, capacity_hint=params.max_tokens,
-                                       graphs=self.device.type == "cuda")
+        elif params.cuda_graphs or graphs:
+            self.runner = StaticRunner(adapter, self.b, self.stats, capacity_hint=params.max_tokens, graphs=graphs)
         else:
             self.runner = CachedRunner(adapter, self.b, self.stats)
         self.fuse_max_tokens = FUSE_MAX_TOKENS["cuda" if self.device.type == "cuda" else "cpu"]
@@ -116,6 +118,20 @@ class BlockSampler:
         self.running: list[_Running] = []
         self.n_carrying = 0  # rows whose finished block rides in front of the next step (known from the last sync)
         self._init_batch()
+
+    def _capturable(self) -> bool:
+        """Whether decode forwards can be captured as CUDA graphs: on CUDA, with expert layers (if any) that never
+        read back to the host. A capture that fails half-way can leave torch's CUDA RNG in capture state, so the
+        default does not try where a sync is known to come."""
+        if self.device.type != "cuda":
+            return False
+        if expert_layers_sync_free(self.adapter.model):
+            return True
+        if self.params.cuda_graphs:
+            warnings.warn("cuda_graphs: this model's expert layers read their counts back to the host here (the "
+                          "grouped product needs bf16 on Hopper or newer); its decode forwards run without graphs",
+                          stacklevel=3)
+        return False
 
     def _init_batch(self) -> None:
         for name in _ROW_STATE:

@@ -75,9 +75,10 @@ class SamplingParams(Settings):
     max_post_steps: int = bounded(16, 0)
     # block models, cache "prefix": decode forwards on a fixed-capacity cache with the rows padded to a bucket, so
     # on CUDA each forward shape is captured once as a CUDA graph and replayed (on CPU the same path runs eagerly).
-    # None (default): on where it applies (a block model with the prefix cache on CUDA; on an H100, SDAR-1.7B/4B
-    # shapes in bf16: 2.8-3.2x eager tokens/s at batch 1, 1.7-2.5x at 32, 0.94-1.2x at 128, bench/gpu.py);
-    # True: on, refused where it is not built; False: off.
+    # None (default): on where it applies (a block model with the prefix cache on CUDA, no host-syncing expert
+    # layer; on an H100, SDAR-1.7B/4B shapes in bf16: 2.8-3.2x eager tokens/s at batch 1, 1.7-2.5x at 32,
+    # 0.94-1.2x at 128, bench/gpu.py); True: on (refused where it is not built, eager where a capture cannot work);
+    # False: off.
     cuda_graphs: bool | None = None
 
     def validate(self) -> None:

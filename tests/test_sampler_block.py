@@ -400,3 +400,31 @@ def test_the_fixed_capacity_cache_gives_the_growing_caches_tokens_with_token_edi
     assert [_key(t) + (t.rewrites,) for t in static] == [_key(t) + (t.rewrites,) for t in growing]
     assert any(any(t.rewrites) for t in growing)  # the edits happen
     assert static.stats.forwards == growing.stats.forwards
+
+
+@pytest.mark.parametrize(("cuda_graphs", "capturable", "runner", "graphs"),
+                         [(None, True, "StaticRunner", True), (None, False, "CachedRunner", None),
+                          (False, True, "CachedRunner", None), (True, False, "StaticRunner", False),
+                          (True, True, "StaticRunner", True)])
+def test_cuda_graphs_default_captures_only_where_it_can(sdar, monkeypatch, cuda_graphs, capturable, runner, graphs):
+    """``cuda_graphs`` None (default) takes the fixed-capacity cache with graphs exactly where a capture can work
+    (CUDA, no host-syncing expert layer), else today's growing cache; False never; True always (eager where it
+    cannot capture)."""
+    from sample.block_sampler import BlockSampler
+    from sample.generate import make_sampler
+
+    monkeypatch.setattr(BlockSampler, "_capturable", lambda self: capturable)
+    sampler = make_sampler(sdar, _greedy(cuda_graphs=cuda_graphs), set(), None, torch.Generator())
+    assert type(sampler.runner).__name__ == runner
+    assert getattr(sampler.runner, "graphs", None) == graphs
+
+
+def test_expert_layers_are_sync_free_only_where_the_grouped_product_runs(tiny):
+    """A dense model has no expert layer (sync-free); fused experts are while ``torch._grouped_mm`` takes their
+    operands (fp32 on CPU, rows a multiple of 16 bytes), not in float64, where the split reads counts to the host."""
+    from models.moe import expert_layers_sync_free
+
+    assert expert_layers_sync_free(tiny("sdar").model)
+    moe = tiny("sdar_moe", seed=0).model
+    assert expert_layers_sync_free(moe)
+    assert not expert_layers_sync_free(moe.double())
