@@ -122,16 +122,18 @@ class BlockSampler:
     def _capturable(self) -> bool:
         """Whether decode forwards can be captured as CUDA graphs: on CUDA, with expert layers (if any) that never
         read back to the host. A capture that fails half-way can leave torch's CUDA RNG in capture state, so the
-        default does not try where a sync is known to come."""
+        default does not try where a sync is known to come, nor on quantized weights (bitsandbytes' kernels have
+        not been captured on a GPU here); ``cuda_graphs=true`` tries those."""
         if self.device.type != "cuda":
             return False
-        if expert_layers_sync_free(self.adapter.model):
-            return True
-        if self.params.cuda_graphs:
-            warnings.warn("cuda_graphs: this model's expert layers read their counts back to the host here (the "
-                          "grouped product needs bf16 on Hopper or newer); its decode forwards run without graphs",
-                          stacklevel=3)
-        return False
+        model = self.adapter.model
+        if not expert_layers_sync_free(model):
+            if self.params.cuda_graphs:
+                warnings.warn("cuda_graphs: this model's expert layers read their counts back to the host here (the "
+                              "grouped product needs bf16 on Hopper or newer); its decode forwards run without graphs",
+                              stacklevel=3)
+            return False
+        return bool(self.params.cuda_graphs) or all(p.is_floating_point() for p in model.parameters())
 
     def _init_batch(self) -> None:
         for name in _ROW_STATE:

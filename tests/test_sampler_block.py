@@ -428,3 +428,27 @@ def test_expert_layers_are_sync_free_only_where_the_grouped_product_runs(tiny):
     moe = tiny("sdar_moe", seed=0).model
     assert expert_layers_sync_free(moe)
     assert not expert_layers_sync_free(moe.double())
+
+
+def test_what_a_cuda_sampler_would_capture(sdar, tiny):
+    """On CUDA (the device faked: only its type is read): a dense float model is captured; host-syncing expert
+    layers never are (a warning where cuda_graphs=true asked); quantized weights only when asked."""
+    import copy
+
+    from sample.generate import make_sampler
+
+    def capturable(adapter, cuda_graphs):
+        sampler = make_sampler(adapter, _greedy(cuda_graphs=cuda_graphs), set(), None, torch.Generator())
+        sampler.device = torch.device("cuda")
+        return sampler._capturable()
+
+    assert capturable(sdar, None) and capturable(sdar, True)
+    moe = tiny("sdar_moe", seed=0)
+    moe.model.double()
+    assert not capturable(moe, None)
+    with pytest.warns(UserWarning, match="expert layers read their counts back to the host"):
+        assert not capturable(moe, True)
+    quantized = copy.deepcopy(sdar)
+    quantized.model.register_parameter("packed_4bit", torch.nn.Parameter(torch.zeros(4, dtype=torch.uint8),
+                                                                         requires_grad=False))
+    assert not capturable(quantized, None) and capturable(quantized, True)
