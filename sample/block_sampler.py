@@ -37,7 +37,16 @@ from models.moe import expert_layers_sync_free
 from sample.block_runners import CachedRunner, RecomputeRunner, StaticRunner
 from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence
 from sample.params import SamplingParams
-from sample.strategies import Draw, block_schedule, draw_tokens, schedule_table, select_transfer
+from sample.strategies import (
+    Draw,
+    GridPositions,
+    block_schedule,
+    degenerate_logits_error,
+    degenerate_positions,
+    draw_tokens,
+    schedule_table,
+    select_transfer,
+)
 
 # Widest fused forward (rows x 2 blocks) worth padding rows that carry nothing: a GPU decode forward of a few
 # thousand tokens costs about what one of a few tokens does (weights dominate), a CPU one is compute-bound past a
@@ -117,6 +126,7 @@ class BlockSampler:
         self.schedule = schedule_table([sched], fill=self.b)[0].to(self.device)
         self.running: list[_Running] = []
         self.n_carrying = 0  # rows whose finished block rides in front of the next step (known from the last sync)
+        self.degenerate = torch.zeros((), dtype=torch.long, device=self.device)  # the last draw's, see _draw
         self._init_batch()
 
     def _capturable(self) -> bool:
@@ -224,20 +234,26 @@ class BlockSampler:
         """Tokens drawn at the candidate positions ([R, b] grid, zeros elsewhere). The LM head runs only there:
         decoded positions need no logits, and at a large vocabulary the head is a large share of a small model's
         step; the random stream is the whole grid's, so the tokens are those of a head over every position."""
-        return draw_tokens(self.adapter.logits(hidden[candidates]), self.params, self.generator,
-                           self.adapter.mask_id, self.adapter.pad_id, grid=candidates)
+        grid = GridPositions.of(candidates)
+        draw = draw_tokens(self.adapter.logits(grid.take(hidden)), self.params, self.generator,
+                           self.adapter.mask_id, self.adapter.pad_id, grid=grid, check=False)
+        self.degenerate = degenerate_positions(draw.confidence)  # raised at the step's sync (_after_step)
+        return draw
 
     # ------------------------------------------------------------ block completion
 
     def _after_step(self) -> list[Finished]:
-        """The step's one host sync: rows whose block is complete are cut, retired or moved to their next block."""
+        """The step's one host sync besides finding the masked positions: rows whose block is complete are cut,
+        retired or moved to their next block (and degenerate logits raised)."""
         self.carrying.zero_()  # the blocks carried in this step are stored now
         self.n_carrying = 0
         complete = ~self.masked.any(1)
         if self.params.editing_threshold is not None and self.params.max_post_steps > 0:
             # after its last mask a block gets a forward that may edit; it ends at one that edits nothing
             complete &= (self.post >= 1) & (~self.edited | (self.post >= self.params.max_post_steps))
-        complete = complete.tolist()
+        *complete, degenerate = torch.cat([complete.long(), self.degenerate.view(1)]).tolist()
+        if degenerate:
+            raise degenerate_logits_error(degenerate)
         done_rows = [i for i, flag in enumerate(complete) if flag]
         return self._finish_blocks(done_rows) if done_rows else []
 

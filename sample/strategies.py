@@ -51,30 +51,51 @@ class DegenerateLogitsError(UserError, ValueError):
     """Sampling cannot continue: the distribution over tokens is undefined."""
 
 
+class GridPositions(NamedTuple):
+    """The True positions of a bool [R, K] grid, found once (one host sync, for their count); taking rows at them
+    and putting values back are index operations after that, which never wait for the device."""
+
+    shape: torch.Size
+    index: Tensor  # [M] flat positions of the True entries, in row-major order
+
+    @classmethod
+    def of(cls, grid: Tensor) -> GridPositions:
+        return cls(grid.shape, grid.reshape(-1).nonzero().squeeze(1))
+
+    def take(self, x: Tensor) -> Tensor:
+        """``x`` [R, K, ...] at the positions: [M, ...]."""
+        return x.flatten(0, 1).index_select(0, self.index)
+
+    def put(self, values: Tensor) -> Tensor:
+        """``values`` [M] back on the grid: [R, K], zeros elsewhere."""
+        return values.new_zeros(self.shape.numel()).index_copy_(0, self.index, values).view(self.shape)
+
+
 def draw_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
-                banned_id: int, pad_id: int, grid: Tensor | None = None) -> Draw:
+                banned_id: int, pad_id: int, grid: GridPositions | None = None, check: bool = True) -> Draw:
     """Sample a token for every position of ``logits`` [R, K, V] (any dtype; computed in fp32).
 
     ``banned_id`` (the mask id) is never sampled: a committed mask token would be indistinguishable from an
-    undecoded position. ``grid`` (bool [R, K]): ``logits`` [M, V] holds only its True positions (the LM head ran
-    where tokens are still masked); the draw comes back on the whole grid, zeros elsewhere, and the random stream
-    is the whole grid's (one uniform per grid position, the selected ones used), so tokens do not depend on it.
+    undecoded position. ``grid``: ``logits`` [M, V] holds only the grid's positions (the LM head ran where tokens
+    are still masked); the draw comes back on the whole [R, K] grid, zeros elsewhere, and the random stream is the
+    whole grid's (one uniform per grid position, the selected ones used), so tokens do not depend on it.
+    ``check``: raise DegenerateLogitsError here (a host sync); without it the caller checks ``confidence``, NaN
+    exactly at the degenerate positions (:func:`degenerate_positions`), when it next syncs.
     """
     if grid is not None:
-        return _on_grid(draw_tokens(logits[None], params, _GridUniforms(generator, grid), banned_id, pad_id), grid)
+        draw = draw_tokens(logits[None], params, _GridUniforms(generator, grid), banned_id, pad_id, check=check)
+        return Draw(*(None if v is None else grid.put(v[0]) for v in draw))
     raw = logits.float()
     filtered = raw.clone()
     filtered[..., banned_id] = NEG_INF
     filtered = filter_logits(filtered, params.temperature, params.top_k, params.top_p)
     probs = filtered.softmax(-1)
-    if torch.isnan(probs).any():  # NaN logits, or filters that left no token with probability > 0
-        raise DegenerateLogitsError(
-            "the model produced NaN logits or no token with probability > 0 at "
-            f"{int(torch.isnan(probs).any(-1).sum())} position(s) (check the checkpoint and dtype; a model trained "
-            "with too high a learning rate diverges like this); "
-            "stopping instead of committing an arbitrary token")
     tokens = probs.argmax(-1) if params.greedy else _sample(probs, generator)
-    confidence = probs.gather(-1, tokens[..., None]).squeeze(-1)
+    # NaN logits, or filters that left no token with probability > 0: NaN in the softmax row (a +inf logit leaves
+    # the other entries 0, so the drawn token's probability alone would not show it); marked in ``confidence``
+    confidence = probs.gather(-1, tokens[..., None]).squeeze(-1).masked_fill(torch.isnan(probs).any(-1), float("nan"))
+    if check and (bad := int(degenerate_positions(confidence))):
+        raise degenerate_logits_error(bad)
     logprob = raw.gather(-1, tokens[..., None]).squeeze(-1) - raw.logsumexp(-1)
     needs_entropy = params.remasking_strategy == "entropy_bounded" or params.target == "neg_entropy"
     entropy = torch.special.entr(probs).sum(-1) if needs_entropy else None
@@ -84,28 +105,29 @@ def draw_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generat
     return Draw(tokens, confidence, logprob, score, entropy)
 
 
+def degenerate_positions(confidence: Tensor) -> Tensor:
+    """How many positions of a draw had no distribution to draw from (a 0-dim tensor; ``draw_tokens`` marks them
+    NaN in ``confidence``)."""
+    return torch.isnan(confidence).sum()
+
+
+def degenerate_logits_error(positions: int) -> DegenerateLogitsError:
+    return DegenerateLogitsError(
+        f"the model produced NaN logits or no token with probability > 0 at {positions} position(s) (check the "
+        "checkpoint and dtype; a model trained with too high a learning rate diverges like this); stopping instead "
+        "of committing an arbitrary token")
+
+
 class _GridUniforms:
     """Stands for a generator when only the ``grid`` positions of an [R, K] draw are computed: the uniforms are
     drawn for the whole grid, as the full draw would, and the grid's positions returned."""
 
-    def __init__(self, generator: torch.Generator | None, grid: Tensor):
+    def __init__(self, generator: torch.Generator | None, grid: GridPositions):
         self.generator, self.grid = generator, grid
 
     def uniforms(self, dtype: torch.dtype) -> Tensor:
-        u = torch.rand(self.grid.shape + (1,), generator=self.generator, device=self.grid.device, dtype=dtype)
-        return u[self.grid][None]
-
-
-def _on_grid(draw: Draw, grid: Tensor) -> Draw:
-    """A draw over the [1, M] selected positions put back on the [R, K] grid (zeros elsewhere)."""
-    def put(values: Tensor | None) -> Tensor | None:
-        if values is None:
-            return None
-        out = values.new_zeros(grid.shape)
-        out[grid] = values[0]
-        return out
-
-    return Draw(*(put(v) for v in draw))
+        u = torch.rand(self.grid.shape + (1,), generator=self.generator, device=self.grid.index.device, dtype=dtype)
+        return self.grid.take(u)[None]
 
 
 def _sample(probs: Tensor, generator: torch.Generator | _GridUniforms | None) -> Tensor:

@@ -210,5 +210,24 @@ def test_nan_logits_stop_sampling_with_a_clear_error(tiny):
     adapter = tiny("sdar")
     with torch.no_grad():
         adapter.model.lm_head.weight.fill_(float("nan"))
-    with pytest.raises(DegenerateLogitsError, match="NaN logits"):
+    with pytest.raises(DegenerateLogitsError, match=r"NaN logits or no token with probability > 0 at \d+ position"):
         generate(adapter, [[5, 6, 7]], SamplingParams(max_tokens=4), progress=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_infinite_logit_is_degenerate_too(temperature):
+    """A +inf logit makes its softmax entry NaN and the others 0: the draw is degenerate whichever token comes out;
+    raised at once, or (check=False, the block sampler's way) counted for the caller's next sync."""
+    import torch
+
+    from sample.params import SamplingParams
+    from sample.strategies import DegenerateLogitsError, degenerate_positions, draw_tokens
+
+    logits = torch.zeros(1, 3, 8)
+    logits[0, 1, 2] = float("inf")
+    params = SamplingParams(temperature=temperature)
+    with pytest.raises(DegenerateLogitsError, match="at 1 position"):
+        draw_tokens(logits, params, torch.Generator().manual_seed(0), banned_id=7, pad_id=6)
+    draw = draw_tokens(logits, params, torch.Generator().manual_seed(0), banned_id=7, pad_id=6, check=False)
+    assert int(degenerate_positions(draw.confidence)) == 1 and torch.isnan(draw.confidence[0, 1])
+
