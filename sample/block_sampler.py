@@ -35,7 +35,7 @@ from torch import Tensor
 
 from models.moe import expert_layers_sync_free
 from sample.block_runners import CachedRunner, RecomputeRunner, StaticRunner
-from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence
+from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence, append_rows, keep_rows
 from sample.params import SamplingParams
 from sample.strategies import (
     Draw,
@@ -191,9 +191,7 @@ class BlockSampler:
         masked = torch.arange(self.b, device=dev)[None, :] >= torch.tensor(tails, device=dev)[:, None]
         opening = {"tokens": torch.tensor(blocks, dtype=torch.long, device=dev), "masked": masked,
                    "editable": masked, "start": torch.tensor(starts, dtype=torch.long, device=dev)}
-        for name in _ROW_STATE:
-            new = opening[name] if name in opening else self._zero_rows(name, n)
-            setattr(self, name, torch.cat([getattr(self, name), new]))
+        append_rows(self, {name: opening[name] if name in opening else self._zero_rows(name, n) for name in _ROW_STATE})
 
     # ------------------------------------------------------------ one denoising step
 
@@ -338,10 +336,4 @@ class BlockSampler:
         return {r.seq.index: r.response for r in self.running}
 
     def _drop_rows(self, finished: list[int]) -> None:
-        gone = set(finished)
-        keep_list = [i for i in range(len(self.running)) if i not in gone]
-        keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
-        self.running = [self.running[i] for i in keep_list]
-        for name in _ROW_STATE:
-            setattr(self, name, getattr(self, name)[keep])
-        self.runner.keep(keep)
+        self.runner.keep(keep_rows(self, list(_ROW_STATE), finished))

@@ -23,6 +23,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import torch
+from torch import Tensor
+
 from core.errors import UserError
 from sample.trajectory import Trajectory
 
@@ -131,6 +134,24 @@ class Engine:
         finished = self.sampler.step()
         self.sampler.stats.generated_tokens += sum(len(done.response) for done in finished)
         return finished
+
+
+def append_rows(sampler: Any, rows: dict[str, Tensor]) -> None:
+    """Append new rows to each per-row tensor attribute of ``sampler`` (``rows``: attribute name -> its rows)."""
+    for name, new in rows.items():
+        setattr(sampler, name, torch.cat([getattr(sampler, name), new]))
+
+
+def keep_rows(sampler: Any, names: Seq[str], gone: Seq[int]) -> Tensor:
+    """Remove the rows ``gone`` (indices into ``sampler.running``) from ``running`` and from each per-row tensor
+    attribute in ``names``; the kept rows' index (on the sampler's device, for its cache)."""
+    dropped = set(gone)
+    kept = [i for i in range(len(sampler.running)) if i not in dropped]
+    index = torch.tensor(kept, dtype=torch.long, device=sampler.device)
+    sampler.running = [sampler.running[i] for i in kept]
+    for name in names:
+        setattr(sampler, name, getattr(sampler, name)[index])
+    return index
 
 
 def run_engine(sampler: Sampler, prompts: Seq[Seq[int]], max_active: int, tokenizer: Any = None,

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.common import AttentionLayout, predicting_columns
-from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence
+from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence, append_rows, keep_rows
 from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
 from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer, split_steps
@@ -130,8 +130,7 @@ class FullSampler:
         add = {"canvas": canvas, "valid": valid, "pos": pos, "decoded": zeros_g.bool(), "rec_step": zeros_g,
                "rec_logp": zeros_g.float(), "rec_conf": zeros_g.float(),
                "counter": zeros_n, "plen": plen}
-        for name in _STATE:
-            setattr(self, name, torch.cat([getattr(self, name), add[name]]))
+        append_rows(self, add)
         self._admit_cache(n)
         self.running.extend(_Running(s, masks_left=self.bl) for s in sequences)
 
@@ -160,17 +159,11 @@ class FullSampler:
         self.width = prompt_len
 
     def _drop(self, finished: list[int]) -> None:
-        gone = set(finished)
-        keep_list = [i for i in range(len(self.running)) if i not in gone]
-        if not keep_list:
+        if len(set(finished)) == len(self.running):
             self.running = []
             self._init_state()
             return
-        keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
-        self.running = [self.running[i] for i in keep_list]
-        for name in _STATE:
-            setattr(self, name, getattr(self, name)[keep])
-        self._keep_cache(keep)
+        self._keep_cache(keep_rows(self, _STATE, finished))
         new_width = max(len(r.seq.prompt) for r in self.running)
         if new_width < self.width:
             cut = self.width - new_width
