@@ -42,7 +42,14 @@ from models.common import AttentionLayout, predicting_columns
 from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence, append_rows, keep_rows
 from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
-from sample.strategies import block_schedule, draw_tokens, schedule_table, select_transfer, split_steps
+from sample.strategies import (
+    block_schedule,
+    degenerate_logits_error,
+    draw_tokens,
+    schedule_table,
+    select_transfer,
+    split_steps,
+)
 
 _STATE = ("canvas", "valid", "pos", "decoded", "rec_step", "rec_logp", "rec_conf", "counter", "plen")
 
@@ -191,7 +198,8 @@ class FullSampler:
         hidden = self._hidden(self._predicting_columns(cand))
         self.stats.denoise_forwards += 1
         draw = draw_tokens(self.adapter.logits(hidden), self.params, self.generator, self.adapter.mask_id,
-                           self.adapter.pad_id)
+                           self.adapter.pad_id, check=False)
+        self.degenerate = torch.isnan(draw.confidence).sum(1)  # per row; raised at the step's sync (_status)
         n_t = self.schedule[self.blk, self.t_block.clamp(max=self.schedule.shape[1] - 1)]
         transfer = select_transfer(draw, cand_valid, n_t, self.params, self.generator)
         self.counter += 1
@@ -217,7 +225,8 @@ class FullSampler:
     # ------------------------------------------------------------ after a step: blocks, stops, finished rows
 
     def _status(self) -> list[list[int]]:
-        """Per row [masks left in block, finished, cut, stopped, token at the stop] (the one host sync per step)."""
+        """Per row [masks left in block, finished, cut, stopped, token at the stop, degenerate positions] (the one
+        host sync per step)."""
         g, budget = self.gen_len, self.params.max_tokens
         gen = self.canvas[:, self.width:]
         cols = self.blk[:, None] * self.bl + torch.arange(self.bl, device=self.device)
@@ -230,10 +239,12 @@ class FullSampler:
         finished = stop_fin | prefix_done[:, budget - 1]
         cut = torch.where(stop_fin, first_stop + 1, budget)
         stop_tok = gen.gather(1, first_stop.clamp(max=g - 1)[:, None]).squeeze(1)
-        return torch.stack([masks_left, finished.long(), cut, stop_fin.long(), stop_tok], 1).tolist()
+        return torch.stack([masks_left, finished.long(), cut, stop_fin.long(), stop_tok, self.degenerate], 1).tolist()
 
     def _after_step(self) -> list[Finished]:
         status = self._status()
+        if degenerate := sum(row[-1] for row in status):
+            raise degenerate_logits_error(degenerate)
         finished = []
         complete = []
         for i, (masks_left, fin, *_) in enumerate(status):
@@ -272,7 +283,7 @@ class FullSampler:
         steps = torch.where(self.decoded[idx], self.rec_step[idx], after_end)
         host = [t.tolist() for t in (tokens, steps, self.rec_logp[idx], self.rec_conf[idx])]
         out = []
-        for j, (i, (_, _, cut, stopped, stop_tok)) in enumerate(zip(finished, status)):
+        for j, (i, (_, _, cut, stopped, stop_tok, _)) in enumerate(zip(finished, status)):
             toks, stps, logps, confs = (h[j] for h in host)
             reason = ("eos" if stop_tok in self.eos_ids else "stop") if stopped else "length"
             out.append(Finished(self.running[i].seq, toks[:cut], stps[:cut], logps[:cut], confs[:cut], reason,

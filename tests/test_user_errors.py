@@ -200,18 +200,22 @@ def test_dataset_text_never_becomes_special_tokens(tiny):
     assert adapter.mask_id not in code
 
 
-def test_nan_logits_stop_sampling_with_a_clear_error(tiny):
+@pytest.mark.parametrize(("base", "cache"), [("sdar", "prefix"), ("llada", "none"), ("dream", "prefix")])
+def test_nan_logits_stop_sampling_with_a_clear_error(tiny, base, cache):
+    """Block and full-attention samplers (each checks at its step's one host sync)."""
     import torch
 
     from sample.generate import generate
     from sample.params import SamplingParams
     from sample.strategies import DegenerateLogitsError
 
-    adapter = tiny("sdar")
+    adapter = tiny(base)
     with torch.no_grad():
-        adapter.model.lm_head.weight.fill_(float("nan"))
+        for weight in adapter.model.parameters():
+            weight.fill_(float("nan"))
+    params = SamplingParams(max_tokens=4, block_size=4, cache=cache)
     with pytest.raises(DegenerateLogitsError, match=r"NaN logits or no token with probability > 0 at \d+ position"):
-        generate(adapter, [[5, 6, 7]], SamplingParams(max_tokens=4), progress=False)
+        generate(adapter, [[5, 6, 7]], params, progress=False)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
