@@ -132,8 +132,9 @@ class BlockSampler:
     def _capturable(self) -> bool:
         """Whether decode forwards can be captured as CUDA graphs: on CUDA, with expert layers (if any) that never
         read back to the host. A capture that fails half-way can leave torch's CUDA RNG in capture state, so the
-        default does not try where a sync is known to come, nor on quantized weights (bitsandbytes' kernels have
-        not been captured on a GPU here); ``cuda_graphs=true`` tries those."""
+        default does not try where a sync is known to come, nor on quantized weights (bitsandbytes' kernels) or
+        ZeRO-3-partitioned ones (DeepSpeed's hooks run in every submodule's forward), neither captured on a GPU
+        here; ``cuda_graphs=true`` tries those."""
         if self.device.type != "cuda":
             return False
         model = self.adapter.model
@@ -143,7 +144,8 @@ class BlockSampler:
                               "grouped product needs bf16 on Hopper or newer); its decode forwards run without graphs",
                               stacklevel=3)
             return False
-        return bool(self.params.cuda_graphs) or all(p.is_floating_point() for p in model.parameters())
+        return bool(self.params.cuda_graphs) or all(p.is_floating_point() and not hasattr(p, "ds_id")
+                                                    for p in model.parameters())
 
     def _init_batch(self) -> None:
         for name in _ROW_STATE:

@@ -432,7 +432,8 @@ def test_expert_layers_are_sync_free_only_where_the_grouped_product_runs(tiny):
 
 def test_what_a_cuda_sampler_would_capture(sdar, tiny):
     """On CUDA (the device faked: only its type is read): a dense float model is captured; host-syncing expert
-    layers never are (a warning where cuda_graphs=true asked); quantized weights only when asked."""
+    layers never are (a warning where cuda_graphs=true asked); quantized or ZeRO-3-partitioned weights only when
+    asked."""
     import copy
 
     from sample.generate import make_sampler
@@ -452,3 +453,6 @@ def test_what_a_cuda_sampler_would_capture(sdar, tiny):
     quantized.model.register_parameter("packed_4bit", torch.nn.Parameter(torch.zeros(4, dtype=torch.uint8),
                                                                          requires_grad=False))
     assert not capturable(quantized, None) and capturable(quantized, True)
+    partitioned = copy.deepcopy(sdar)  # DeepSpeed ZeRO-3 marks its partitioned parameters with ds_id
+    next(partitioned.model.parameters()).ds_id = 0
+    assert not capturable(partitioned, None) and capturable(partitioned, True)
