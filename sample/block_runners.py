@@ -24,6 +24,15 @@ REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a r
 # Padded batch sizes of graphed forwards: a few graphs cover every batch, padding at most a third of the rows
 # past 16 (as vLLM / nano-vllm bucket theirs).
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# The fixed-capacity cache reserves the response budget up front only while the whole cache then takes at most this
+# share of the device's free memory (256 rows x 2,000 tokens on a TraDo-4B shape would be ~80 GiB); past it the cache
+# starts at the prompts and doubles as responses need it, the graphs captured again at each doubling.
+RESERVE_MEMORY_SHARE = 0.5
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device; None elsewhere (a CPU cache is not bounded here)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def bucket_for(rows: int) -> int:
@@ -126,14 +135,17 @@ class StaticRunner(CachedRunner):
             self.rows += len(chunk)
 
     def _fit(self, rows: int, prefill: BatchKVCache) -> None:
-        """Make the cache hold ``rows`` rows and the prefilled prompts with their responses."""
-        need = prefill.length + self.capacity_hint + (REPACK_SLACK + 2) * self.b
+        """Make the cache hold ``rows`` rows and the prefilled prompts (with their responses where affordable)."""
+        base = prefill.length + (REPACK_SLACK + 2) * self.b
         if self.store is None:
-            self._allocate(bucket_for(rows), need, prefill)
-        elif rows > self.store.slots or need > self.store.capacity:
-            self._grow(bucket_for(max(rows, self.store.slots)), max(need, self.store.capacity))
+            self._allocate(bucket_for(rows), base, prefill)
+            return
+        slots = bucket_for(max(rows, self.store.slots))
+        need = base + self._affordable_hint(slots, base, self.store.keys)
+        if rows > self.store.slots or need > self.store.capacity:
+            self._grow(slots, max(need, self.store.capacity))
 
-    def _allocate(self, slots: int, capacity: int, prefill: BatchKVCache) -> None:
+    def _allocate(self, slots: int, base: int, prefill: BatchKVCache) -> None:
         k = prefill.keys[0]
         if k is None:  # nothing prefilled: one block's forward gives the cached K/V's heads, width and dtype
             probe = BatchKVCache(self.num_layers)
@@ -141,9 +153,20 @@ class StaticRunner(CachedRunner):
             self.adapter.hidden(torch.full_like(pos, self.adapter.pad_id), pos,
                                 AttentionLayout.block_causal(pos, self.b), probe, store_kv=True)
             k = probe.keys[0]
+        capacity = base + self._affordable_hint(slots, base, k)
         self.store = StaticKVCache(self.num_layers, slots, k.shape[1], _round_up(capacity, self.b), 2 * self.b,
                                    k.shape[3], k.dtype, k.device)
         self._new_inputs(slots)
+
+    def _affordable_hint(self, slots: int, base: int, keys: Tensor) -> int:
+        """``capacity_hint`` if a cache of ``slots`` x (``base`` + hint) columns of keys like ``keys`` (heads and
+        width in dims -3 and -1) fits RESERVE_MEMORY_SHARE of the device's free memory, else 0."""
+        free = free_device_bytes(keys.device)
+        if free is None or not self.capacity_hint:
+            return self.capacity_hint
+        column_bytes = 2 * self.num_layers * keys.shape[-3] * keys.shape[-1] * keys.element_size()  # K and V
+        fits = slots * (base + self.capacity_hint) * column_bytes <= RESERVE_MEMORY_SHARE * free
+        return self.capacity_hint if fits else 0
 
     def _grow(self, slots: int, capacity: int) -> None:
         self.store = self.store.resized(slots, _round_up(max(capacity, 2 * self.store.capacity), self.b)

@@ -456,3 +456,30 @@ def test_what_a_cuda_sampler_would_capture(sdar, tiny):
     partitioned = copy.deepcopy(sdar)  # DeepSpeed ZeRO-3 marks its partitioned parameters with ds_id
     next(partitioned.model.parameters()).ds_id = 0
     assert not capturable(partitioned, None) and capturable(partitioned, True)
+
+
+@pytest.mark.parametrize("free_bytes", [None, 10**12, 10**4])
+def test_the_response_budget_is_reserved_only_where_memory_allows(sdar, monkeypatch, free_bytes):
+    """The fixed-capacity cache reserves prompt + response budget up front while that fits half the device's free
+    memory (None: a CPU, unbounded); with too little free it starts at the prompts and grows as the responses do
+    (the graphs would be captured again). Either way the growing cache's tokens."""
+    from sample import block_runners
+
+    sizes, grows = [], []
+    allocate, grow = block_runners.StaticRunner._allocate, block_runners.StaticRunner._grow
+    monkeypatch.setattr(block_runners, "free_device_bytes", lambda device: free_bytes)
+    monkeypatch.setattr(block_runners.StaticRunner, "_allocate",
+                        lambda self, *a: allocate(self, *a) or sizes.append(self.store.capacity))
+    monkeypatch.setattr(block_runners.StaticRunner, "_grow",
+                        lambda self, slots, capacity: grows.append(capacity > self.store.capacity)
+                        or grow(self, slots, capacity))
+    params = _greedy(max_tokens=64, max_active=3)
+    growing = generate(sdar, prompts_of(), replace(params, cuda_graphs=False), progress=False)
+    static = generate(sdar, prompts_of(), replace(params, cuda_graphs=True), progress=False)
+    assert [_key(t) for t in static] == [_key(t) for t in growing]
+    # reserved: >= the prompts' cached length + 64 + the slack; not: <= the longest prompt + the slack (40) + 3
+    longest = max(len(p) for p in prompts_of()[:3])
+    assert (sizes[0] >= longest + 64) == (free_bytes != 10**4), sizes
+    assert len(sizes) == 1  # allocated once; a grow resizes
+    if free_bytes == 10**4:
+        assert any(grows)  # 64-token responses outgrow 40 columns of slack: the cache widened as they grew
