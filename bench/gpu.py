@@ -130,7 +130,7 @@ def sampler_rows(args, device: str) -> list[dict]:
         for strategy in ("low_confidence_static", "low_confidence_dynamic"):
             sp = SamplingParams(max_tokens=args.tokens, denoising_steps=4, temperature=1.0, seed=0,
                                 ignore_eos=True, stop_token_ids=[], remasking_strategy=strategy,
-                                dynamic_threshold=0.9, max_active=max(args.batches))
+                                dynamic_threshold=0.9, max_active=max(args.batches), cuda_graphs=False)  # eager
             for batch in args.batches:
                 prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),),
                                          generator=g).tolist() for _ in range(batch)]
@@ -165,7 +165,7 @@ def fuse_rows(args, device: str) -> list[dict]:
     adapter = build_adapter(shape, device, args.dtype)
     sp = SamplingParams(max_tokens=args.tokens, denoising_steps=4, temperature=1.0, seed=0, ignore_eos=True,
                         stop_token_ids=[], remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.9,
-                        max_active=max(args.batches))
+                        max_active=max(args.batches), cuda_graphs=False)
     g = torch.Generator().manual_seed(1)
     rows, saved, share = [], dict(block_sampler.FUSE_MAX_TOKENS), block_sampler.FUSE_CARRYING_SHARE
     try:
