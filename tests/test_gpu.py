@@ -62,9 +62,11 @@ def test_cuda_graphs_give_the_eager_tokens(demo_tokenizer, monkeypatch):
     captures = []
     capture = StaticRunner._capture
     monkeypatch.setattr(StaticRunner, "_capture", lambda self, *a: captures.append(a) or capture(self, *a))
-    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[], ignore_eos=True, max_active=3)
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[], ignore_eos=True, max_active=3,
+                            cuda_graphs=False)
     adapter = on(sharp_tiny("sdar", demo_tokenizer, seed=1), "cuda")
     eager = generate(adapter, prompts_of(), params, progress=False)
+    assert not captures
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to eager forwards fails the test
         graphed = generate(adapter, prompts_of(), dataclasses.replace(params, cuda_graphs=True), progress=False)
