@@ -43,9 +43,13 @@ from sample.trajectory import tokens_per_step
 REPO = Path(__file__).resolve().parents[1]
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SFT_CONFIG, RL_CONFIG, EVAL_CONFIG = (f"configs/real/{name}_smollm2.yaml" for name in ("sft", "rl", "eval"))
+CD_SFT_CONFIG, CD_RL_CONFIG = (f"configs/real/{name}_smollm2_countdown.yaml" for name in ("sft", "rl"))
 SFT_PROJECT, RL_PROJECT = "real_sft_smollm2", "real_rl_smollm2"
+CD_SFT_PROJECT, CD_RL_PROJECT = "real_sft_smollm2_countdown", "real_rl_smollm2_countdown"
 HELD_OUT = {"name": "builtin:word_problems_test", "seed": 2}  # eval_smollm2.yaml's dataset and seed
+CD_HELD_OUT = "builtin:countdown2_test"  # the Countdown stages' held-out puzzles (same seed)
 STAGES = ("ar", "convert", "converted", "adapt", "adapted", "rl", "rl_eval")
+CD_STAGES = ("cd_adapt", "cd_adapted", "cd_rl", "cd_rl_eval")  # run when asked for (--stages)
 SAMPLED_RESPONSES = 2  # per held-out problem, at temperature 1 (the policy as RL samples it)
 
 
@@ -110,6 +114,8 @@ class Stages:
         self.converted = self.out / "smollm2_sdar"
         self.adapted = self.runs / SFT_PROJECT / "ckpt" / "optimized"
         self.policy = self.runs / RL_PROJECT / "ckpt" / "optimized"
+        self.cd_adapted = self.runs / CD_SFT_PROJECT / "ckpt" / "optimized"
+        self.cd_policy = self.runs / CD_RL_PROJECT / "ckpt" / "optimized"
         self.report: dict = {"stages": {}}
 
     def command(self, stage: str, argv: list[str]) -> float:
@@ -129,10 +135,12 @@ class Stages:
         return self.command(stage, [entry, f"config={config}", f"experiment.output_dir={self.runs}",
                                     "experiment.overwrite=true", *overrides])
 
-    def evaluate(self, stage: str, model: Path, sampled: bool = False) -> tuple[dict, float]:
-        """Greedy held-out figures of ``model``; with ``sampled`` also its accuracy as it samples in RL
-        (temperature 1, ``SAMPLED_RESPONSES`` per problem): ``acc_t1``."""
-        common = [f"model.pretrained_model={model}", f"dataset.builtin_size={self.args.held_out}"]
+    def evaluate(self, stage: str, model: Path, sampled: bool = False,
+                 dataset: str = HELD_OUT["name"]) -> tuple[dict, float]:
+        """Greedy held-out figures of ``model`` on ``dataset``; with ``sampled`` also its accuracy as it samples
+        in RL (temperature 1, ``SAMPLED_RESPONSES`` per problem): ``acc_t1``."""
+        common = [f"model.pretrained_model={model}", f"dataset.builtin_size={self.args.held_out}",
+                  f"dataset.eval_dataset={dataset}"]
         project = f"real_eval_{stage}"
         seconds = self.job(stage, "eval.py", EVAL_CONFIG, [*common, f"experiment.project={project}"])
         figures = eval_result(self.runs / project)
@@ -167,8 +175,16 @@ class Stages:
                 f"model.pretrained_model={self.adapted}", f"evaluation.builtin_size={a.held_out}",
                 *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])])),
             "rl_eval": lambda: self.evaluate("rl_eval", self.policy, sampled=True),
+            "cd_adapt": lambda: ({}, self.job("cd_adapt", "train/sft_sdar.py", CD_SFT_CONFIG, [
+                f"model.pretrained_model={self.adapted}",
+                *([f"training.max_steps={a.sft_steps}"] if a.sft_steps else [])])),
+            "cd_adapted": lambda: self.evaluate("cd_adapted", self.cd_adapted, sampled=True, dataset=CD_HELD_OUT),
+            "cd_rl": lambda: ({}, self.job("cd_rl", "rl.py", CD_RL_CONFIG, [
+                f"model.pretrained_model={self.cd_adapted}", f"evaluation.builtin_size={a.held_out}",
+                *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])])),
+            "cd_rl_eval": lambda: self.evaluate("cd_rl_eval", self.cd_policy, sampled=True, dataset=CD_HELD_OUT),
         }
-        for stage in STAGES:
+        for stage in STAGES + CD_STAGES:
             if stage in stages:
                 self.done(stage, *work[stage]())
         return self.report
@@ -180,14 +196,17 @@ class Stages:
 
 
 def read_curves(runs: Path) -> dict:
-    """SFT loss per step, RL reward per step and the RL run's held-out accuracy at its evaluation steps."""
+    """SFT loss per step, RL reward per step and the RL run's held-out accuracy at its evaluation steps (``cd_``:
+    the Countdown RL run's, when it ran)."""
     from bench.methods import read_metrics
 
-    sft, rl = (read_metrics(path) if (path := runs / project / "metrics.jsonl").is_file() else []
-               for project in (SFT_PROJECT, RL_PROJECT))
+    sft, rl, cd_rl = (read_metrics(path) if (path := runs / project / "metrics.jsonl").is_file() else []
+                      for project in (SFT_PROJECT, RL_PROJECT, CD_RL_PROJECT))
     return {"sft_nll": [(m["step"], m["nll"]) for m in sft if "nll" in m],
-            "rl_reward": [(m["step"], m["reward"]) for m in rl if "reward" in m],
-            "rl_held_out": [(m["step"], m["eval_acc"]) for m in rl if "eval_acc" in m]}
+            **{f"{prefix}rl_reward": [(m["step"], m["reward"]) for m in run if "reward" in m]
+               for prefix, run in (("", rl), ("cd_", cd_rl))},
+            **{f"{prefix}rl_held_out": [(m["step"], m["eval_acc"]) for m in run if "eval_acc" in m]
+               for prefix, run in (("", rl), ("cd_", cd_rl))}}
 
 
 def plot(curves: dict, path: Path) -> None:
@@ -200,8 +219,11 @@ def plot(curves: dict, path: Path) -> None:
     for ax, key, title in zip(axes, ("sft_nll", "rl_reward", "rl_held_out"),
                               ("adaptation: masked-token NLL", "RL: mean reward", "RL: held-out accuracy"),
                               strict=True):
-        if curves[key]:
-            ax.plot(*zip(*curves[key], strict=True), marker="." if key != "sft_nll" else None)
+        for name, label in ((key, "word problems"), (f"cd_{key}", "Countdown")):
+            if curves.get(name):
+                ax.plot(*zip(*curves[name], strict=True), marker="." if key != "sft_nll" else None, label=label)
+        if curves.get(f"cd_{key}"):
+            ax.legend()
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -211,7 +233,8 @@ def plot(curves: dict, path: Path) -> None:
 
 
 ROWS = [("ar", "(i) AR model, greedy"), ("converted", "(ii) converted, before adaptation"),
-        ("adapted", "(iii) after adaptation"), ("rl_eval", "(iv) after RL")]
+        ("adapted", "(iii) after adaptation"), ("rl_eval", "(iv) after RL"),
+        ("cd_adapted", "Countdown: after its SFT"), ("cd_rl_eval", "Countdown: after RL")]
 
 
 def format_table(report: dict) -> str:
@@ -241,11 +264,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sft-steps", type=int, default=0, help="adaptation steps (0: the SFT config's)")
     ap.add_argument("--rl-steps", type=int, default=0, help="RL steps (0: the RL config's)")
     ap.add_argument("--stages", default=",".join(STAGES),
-                    help="comma-separated stages to run; the others keep their figures of OUT/report.json")
+                    help=f"comma-separated stages to run (the Countdown ones: {','.join(CD_STAGES)}); the others "
+                         "keep their figures of OUT/report.json")
     args = ap.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
-    if unknown := set(args.stages) - set(STAGES):
-        ap.error(f"--stages: unknown {', '.join(sorted(unknown))} (stages: {', '.join(STAGES)})")
+    if unknown := set(args.stages) - set(STAGES + CD_STAGES):
+        ap.error(f"--stages: unknown {', '.join(sorted(unknown))} (stages: {', '.join(STAGES + CD_STAGES)})")
     if args.source is None and not args.report:
         args.source, args.gguf_file = str(smollm2_folder()), args.gguf_file or GGUF_FILE
     return args
@@ -268,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             kept = {k: v for k, v in earlier.get("stages", {}).items() if k not in args.stages}
             ran = Stages(args).run(args.stages)["stages"]
             report = {"hardware": hardware_line("cpu"), "source": source,
-                      "stages": {k: ran.get(k, kept.get(k)) for k in STAGES if k in ran or k in kept}}
+                      "stages": {k: ran.get(k, kept.get(k)) for k in STAGES + CD_STAGES if k in ran or k in kept}}
         report["curves"] = read_curves(out / "runs")
         write_atomic(out / "report.json", json.dumps(report, indent=1))
         plot(report["curves"], out / "curves.png")

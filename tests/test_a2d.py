@@ -19,14 +19,15 @@ SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
              max_position_embeddings=128, rms_norm_eps=1e-6)
 
 
-def _ar_checkpoint(path, kind: str, tokenizer, tied: bool = False):
+def _ar_checkpoint(path, kind: str, tokenizer, tied: bool = False, positions: int = SHAPE["max_position_embeddings"]):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     extra = {"head_dim": 16} if kind == "qwen3" else {}  # Qwen3's head_dim need not be hidden / heads
     config = classes[kind][0](vocab_size=len(tokenizer), tie_word_embeddings=tied, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id, **SHAPE, **extra)
+                              eos_token_id=tokenizer.eos_token_id, **{**SHAPE, "max_position_embeddings": positions},
+                              **extra)
     torch.manual_seed(0)
     model = classes[kind][1](config)
     with torch.no_grad():

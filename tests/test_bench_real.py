@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from bench.real import format_table, last_number, main, smollm2_folder, tokens_per_forward
 from core.errors import UserError
@@ -33,7 +34,8 @@ def test_a_missing_wheel_is_one_line(monkeypatch):
 def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, demo_tokenizer, capsys):
     from tests.test_a2d import _ar_checkpoint
 
-    source = _ar_checkpoint(tmp_path / "ar", "llama", demo_tokenizer)
+    # 256 positions: a Countdown prompt is ~150 of the demo tokenizer's tokens in the chat template
+    source = _ar_checkpoint(tmp_path / "ar", "llama", demo_tokenizer, positions=256)
     out = tmp_path / "real"
     assert main(["--source", str(source), "--out", str(out), "--held-out", "4", "--sft-steps", "2",
                  "--rl-steps", "1"]) == 0
@@ -60,3 +62,14 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
         k: v for k, v in stages.items() if k != "rl_eval"}  # the stages not run keep their figures
     with pytest.raises(SystemExit):
         main(["--source", str(source), "--out", str(out), "--stages", "rl,nope"])
+
+    # the Countdown stages, asked for by name, start from the adapted model and are scored on Countdown
+    assert main(["--source", str(source), "--out", str(out), "--held-out", "4", "--sft-steps", "2", "--rl-steps", "1",
+                 "--stages", "cd_adapt,cd_adapted,cd_rl,cd_rl_eval"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["stages"]) == [*stages, "cd_adapt", "cd_adapted", "cd_rl", "cd_rl_eval"]
+    assert all(report["stages"][key]["tasks"] == 4 for key in ("cd_adapted", "cd_rl_eval"))
+    for run, key in (("real_eval_cd_adapted", "eval_dataset"), ("real_rl_smollm2_countdown", "train_dataset")):
+        assert "countdown2" in yaml.safe_load((out / "runs" / run / "config.yaml").read_text())["dataset"][key]
+    assert [s for s, _ in report["curves"]["cd_rl_reward"]] == [1]
+    assert "Countdown: after RL" in capsys.readouterr().out
