@@ -18,6 +18,11 @@ Stages (each a user command in its own process, its output in ``runs/real/logs/{
 6. ``rl``: TraceRL (``configs/real/rl_smollm2.yaml``) from the adapted model.
 7. ``rl_eval``: ``eval.py`` on the RL policy: accuracy (iv).
 
+Countdown, run by name (``--stages cd_adapt,cd_adapted,cd_rl,cd_rl_eval``, after the stages above): ``cd_adapt``
+teaches the adapted model two-number Countdown (``configs/real/sft_smollm2_countdown.yaml``), ``cd_adapted``
+scores it on held-out puzzles (``builtin:countdown2_test``), ``cd_rl`` runs TraceRL with the word-problem recipe on
+Countdown (``configs/real/rl_smollm2_countdown.yaml``) and ``cd_rl_eval`` scores the result.
+
 Every accuracy is on the same 128 two-digit word problems of the held-out split (``builtin:word_problems_test``,
 seed 2: the RL run's in-loop evaluation draws the same ones), greedy; the diffusion stages decode with block 4,
 low-confidence dynamic remasking at 0.9. The adapted and RL models are also scored as RL samples them (temperature
