@@ -140,6 +140,8 @@ class StaticRunner(CachedRunner):
         if self.store is None:
             self._allocate(bucket_for(rows), base, prefill)
             return
+        if rows <= self.store.slots and base + self.capacity_hint <= self.store.capacity:
+            return  # room for these prompts and their responses: no need to ask the device for its free memory
         slots = bucket_for(max(rows, self.store.slots))
         need = base + self._affordable_hint(slots, base, self.store.keys)
         if rows > self.store.slots or need > self.store.capacity:
