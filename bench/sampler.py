@@ -4,7 +4,7 @@
     python -m bench.sampler --preset cpu             # hidden 256: batch 32 becomes compute-bound on 2 CPU cores
     python -m bench.sampler --device cuda --preset 1.7b --batch 64
     python -m bench.sampler --baseline 428247e       # also run the same measurements on an older commit
-    python -m bench.sampler --compare-dtypes         # float32 vs bfloat16 sampling, interleaved rounds
+    python -m bench.sampler --compare-dtypes         # fp32 / fp32 under bf16 autocast / bf16, interleaved rounds
 
 Prints the hardware first, then tokens/s and tokens per forward for: our sampler at batch 1 and batch N, the
 no-cache reference path (``cache="none"``: recompute the whole sequence every step) at batch 1 and batch N, and
@@ -110,7 +110,9 @@ class CoreWorkload:
         self.prompts = make_prompts(args.batch, self.adapter.model.config.vocab_size)
         self.params = params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps,
                                               temperature=1.0, seed=0, ignore_eos=True, stop_token_ids=[],
-                                              max_active=args.batch)
+                                              max_active=args.batch,
+                                              **({"compute_dtype": c} if (c := getattr(args, "compute_dtype", None))
+                                                 else {}))
         ar = SamplingParams(**{**params.__dict__, "block_size": 1, "denoising_steps": 1})
         loop = self.prompts[: args.loop_prompts]
         self.variants = {"batch 1": (loop, params, True), f"batch {args.batch}": (self.prompts, params, False),
@@ -197,20 +199,29 @@ def compare_with_baseline(args: argparse.Namespace, argv: list[str]) -> None:
               f"{runs[0][0][1]:>14.3f}{runs[0][1][1]:>14.3f}")
 
 
+DTYPE_VARIANTS = {  # column -> (weights' dtype, the sampler's compute_dtype)
+    "fp32": ("float32", None),
+    "fp32 w, bf16 compute": ("float32", "bfloat16"),  # an RL run's fp32 master weights, rollout.compute_dtype
+    "bf16": ("bfloat16", None),
+}
+
+
 def compare_dtypes(args: argparse.Namespace) -> None:
-    """float32 vs bfloat16 sampling with our code, interleaved rounds (bf16 pays on CPUs with AVX512-BF16 / AMX)."""
-    rounds = {"float32": [], "bfloat16": []}
+    """float32 vs bfloat16 sampling with our code, interleaved rounds (bf16 pays on CPUs with AVX512-BF16 / AMX):
+    fp32 weights, fp32 weights sampled under bf16 autocast (``compute_dtype``), bf16 weights."""
+    rounds = {name: [] for name in DTYPE_VARIANTS}
     for _ in range(args.rounds):
-        for dtype in rounds:
-            rounds[dtype].append(measure_core(argparse.Namespace(**{**vars(args), "dtype": dtype})))
+        for name, (dtype, compute) in DTYPE_VARIANTS.items():
+            rounds[name].append(measure_core(argparse.Namespace(**{**vars(args), "dtype": dtype,
+                                                                   "compute_dtype": compute})))
     flags = _cpu_flags()
-    print(f"\nfloat32 vs bfloat16 ({args.rounds} interleaved rounds, best of rounds; CPU bf16 support: "
+    print(f"\nfloat32 vs bfloat16 ({args.rounds} interleaved rounds, best of rounds, tok/s; CPU bf16 support: "
           f"{', '.join(f for f in ('avx512_bf16', 'amx_bf16') if f in flags) or 'none'})")
-    print(f"{'variant':<26}{'fp32 tok/s':>12}{'bf16 tok/s':>12}{'ratio':>8}")
-    for key in rounds["float32"][0]:
-        fp32 = max(r[key][0] for r in rounds["float32"])
-        bf16 = max(r[key][0] for r in rounds["bfloat16"])
-        print(f"{key:<26}{fp32:>12.1f}{bf16:>12.1f}{bf16 / fp32:>7.2f}x")
+    print(f"{'variant':<26}" + "".join(f"{name:>22}" for name in DTYPE_VARIANTS) + "  ratios to fp32")
+    for key in rounds["fp32"][0]:
+        best = {name: max(r[key][0] for r in runs) for name, runs in rounds.items()}
+        ratios = " ".join(f"{best[name] / best['fp32']:.2f}x" for name in list(DTYPE_VARIANTS)[1:])
+        print(f"{key:<26}" + "".join(f"{v:>22.1f}" for v in best.values()) + f"  {ratios}")
 
 
 def _cpu_flags() -> set[str]:

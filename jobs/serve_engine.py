@@ -50,7 +50,7 @@ from core.errors import UserError
 from core.schema import SettingError, replace
 from models.layers import packed_projections
 from sample.engine import Engine, Finished, Sequence
-from sample.generate import make_sampler, seeded_generator
+from sample.generate import compute_precision, make_sampler, seeded_generator
 from sample.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -300,7 +300,8 @@ class ServeEngine:
 
     def run(self) -> None:
         """Drive the engine on the calling thread until ``close``."""
-        with torch.inference_mode(), packed_projections(self.adapter.model):
+        with compute_precision(self.adapter, self.defaults), torch.inference_mode(), \
+                packed_projections(self.adapter.model):
             while True:
                 with self._cond:
                     while not self._closed and not self._cancels and not any(g.busy for g in self._groups.values()):

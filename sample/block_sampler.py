@@ -137,6 +137,8 @@ class BlockSampler:
         here; ``cuda_graphs=true`` tries those."""
         if self.device.type != "cuda":
             return False
+        if self.params.compute_dtype is not None:  # autocast's weight casts inside a capture: not tried by default
+            return bool(self.params.cuda_graphs)
         model = self.adapter.model
         if not expert_layers_sync_free(model):
             if self.params.cuda_graphs:

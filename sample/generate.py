@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -20,7 +21,8 @@ from sample.trajectory import Trajectory
 if TYPE_CHECKING:
     from models.registry import Adapter
 
-__all__ = ["Rollout", "RolloutStats", "encode_prompt", "generate", "make_sampler", "seeded_generator"]
+__all__ = ["Rollout", "RolloutStats", "compute_precision", "encode_prompt", "generate", "make_sampler",
+           "seeded_generator"]
 
 Prompt = Sequence[int] | str | Sequence[dict]
 
@@ -66,14 +68,23 @@ def generate(adapter: Adapter, prompts: Sequence[Prompt] | str, params: Sampling
     try:
         # packing first: on CPU it holds the base weights (the model's own parked) with the adapters beside them,
         # and merging copies only what it does not
-        with packed_projections(adapter.model, park=True), merged_for_sampling(adapter.model), \
-                torch.inference_mode():
+        with compute_precision(adapter, params), packed_projections(adapter.model, park=True), \
+                merged_for_sampling(adapter.model), torch.inference_mode():
             trajectories = run_engine(sampler, ids, params.max_active, adapter.tokenizer, on_finish)
     finally:
         adapter.model.train(was_training)
         bar.close()
     sampler.stats.wall_time = time.perf_counter() - start
     return Rollout(trajectories, sampler.stats)
+
+
+def compute_precision(adapter: Adapter, params: SamplingParams) -> contextlib.AbstractContextManager:
+    """Autocast to ``params.compute_dtype`` on the model's device (entered before the packing, which follows it);
+    nothing when it is None."""
+    if params.compute_dtype is None:
+        return contextlib.nullcontext()
+    device = next(adapter.model.parameters()).device
+    return torch.autocast(device.type, dtype=getattr(torch, params.compute_dtype))
 
 
 def make_sampler(adapter: Adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from core.schema import SettingError
 from models.common import AttentionLayout, predicting_columns
 from models.registry import ModelLoadError, load_model, make_adapter
 from models.tiny import save_tiny_checkpoint
@@ -488,6 +489,66 @@ def test_sampling_runs_the_packed_products(tiny, monkeypatch):
     assert len(out[0].response_ids) == 8
     # qkv, out, gate_up, down in every layer of every forward; the head once per denoising forward
     assert len(calls) == 4 * a.model.config.num_hidden_layers * out.stats.forwards + out.stats.denoise_forwards
+
+
+needs_native_bf16 = pytest.mark.skipif(
+    not getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)(),
+    reason="a CPU without native bf16 products: bf16 autocast runs unpacked")
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("model_base", FAMILY_BASES)
+def test_bf16_autocast_packs_bf16_copies_and_leaves_the_fp32_weights(tiny, model_base):
+    """Under CPU bf16 autocast ``packed_projections`` packs bf16 copies of the fp32 weights (parked never: a copy
+    cannot give the fp32 weights back): every group's product runs in bf16, as ``F.linear`` under autocast does, so
+    the logits agree with the unpacked autocast forward to bf16 rounding and differ from fp32's by about as much;
+    the fp32 parameters are untouched, bit for bit."""
+    from models.layers import Projections, packed_projections
+
+    a = tiny(model_base)
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(3))
+    before = {k: v.clone() for k, v in a.model.state_dict().items()}
+    groups = [m for m in a.model.modules() if isinstance(m, Projections)]
+    with torch.no_grad():
+        fp32 = a.model(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = a.model(ids).logits.float()
+            with packed_projections(a.model, park=True):
+                products = [p for m in groups for p in m._packed.values()]
+                assert products and all(p.dtype == torch.bfloat16 and not p.exact for p in products)
+                assert all(p.dtype == torch.float32 and p.numel() for p in a.model.parameters())  # none parked
+                packed = a.model(ids).logits
+    assert packed.dtype == torch.bfloat16
+    scale = fp32.abs().max()
+    assert (ref - fp32).abs().max() > 1e-4 * scale  # bf16 rounding is visible at all
+    torch.testing.assert_close(packed.float(), ref, atol=0.03 * scale, rtol=0)
+    assert all(torch.equal(v, before[k]) for k, v in a.model.state_dict().items())
+    assert all("_packed" not in m.__dict__ for m in groups)
+
+
+@needs_native_bf16
+def test_sampling_with_compute_dtype_bf16_runs_bf16_products(tiny, monkeypatch):
+    """``compute_dtype="bfloat16"``: the sampler runs under bf16 autocast, every packed product (the same calls as
+    fp32 sampling) takes bf16 inputs, and the fp32 model is as it was."""
+    from models.layers import PackedLinear
+    from sample.generate import generate
+    from sample.params import SamplingParams
+
+    dtypes = []
+    real = PackedLinear.__call__
+    monkeypatch.setattr(PackedLinear, "__call__", lambda self, x, *a: dtypes.append(self.dtype) or real(self, x, *a))
+    a = tiny("sdar", block_size=4)
+    before = {k: v.clone() for k, v in a.model.state_dict().items()}
+    params = SamplingParams(max_tokens=8, block_size=4, denoising_steps=2, seed=0, ignore_eos=True,
+                            compute_dtype="bfloat16")
+    out = generate(a, [[5, 6, 7], [8, 9]], params, progress=False)
+    assert [len(t.response_ids) for t in out] == [8, 8]
+    assert all(lp <= 0 for t in out for lp in t.logprobs)
+    assert set(dtypes) == {torch.bfloat16}
+    assert len(dtypes) == 4 * a.model.config.num_hidden_layers * out.stats.forwards + out.stats.denoise_forwards
+    assert all(torch.equal(v, before[k]) for k, v in a.model.state_dict().items())
+    with pytest.raises(SettingError, match="compute_dtype"):
+        SamplingParams(compute_dtype="float16")
 
 
 def test_grouped_query_attention_equals_sdpa_with_gqa():
