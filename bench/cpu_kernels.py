@@ -4,7 +4,9 @@
 
 - projections: a layer's q/k/v, output, gate/up and down products as ``nn.Linear`` calls (MKL sgemm, which packs
   the weight again on every call) vs the pre-packed groups of ``models.layers.packed_projections``; the weights
-  of several layers are cycled, as in a forward, so they come from L3 and not from a warm L2;
+  of several layers are cycled, as in a forward, so they come from L3 and not from a warm L2; and the packed
+  groups as bf16 copies under bf16 autocast (``rollout.compute_dtype=bfloat16``; pays where the CPU multiplies
+  bf16 natively: AVX512-BF16 / AMX);
 - attention: SDPA with ``enable_gqa`` vs ``models.common._grouped_query_attention`` (query heads of a K/V head
   folded into the query axis) at decode shapes, with the maximum difference of their outputs;
 - threads: small ops on the main thread vs the same ops on a second thread once the main thread has run torch
@@ -63,18 +65,21 @@ def _forward(layers: torch.nn.ModuleList, x: torch.Tensor) -> None:
 def bench_projections(args: argparse.Namespace) -> None:
     hidden, heads, kv, head_dim, mlp = args.hidden, args.hidden // 32, max(args.hidden // 128, 1), 32, 3 * args.hidden
     layers = torch.nn.ModuleList(_Layer(hidden, heads, kv, head_dim, mlp) for _ in range(args.layers)).eval()
-    print(f"projections of {args.layers} layers (hidden {hidden}, mlp {mlp}), per layer, us")
-    print(f"{'tokens':>8}{'nn.Linear':>12}{'packed':>10}{'ratio':>8}")
+    print(f"projections of {args.layers} layers (hidden {hidden}, mlp {mlp}), per layer, us; bf16 packed: the fp32 "
+          f"weights packed as bf16 copies under bf16 autocast (rollout.compute_dtype=bfloat16)")
+    print(f"{'tokens':>8}{'nn.Linear':>12}{'packed':>10}{'ratio':>8}{'bf16 packed':>13}{'vs packed':>11}")
     for tokens in args.tokens:
         x = torch.randn(1, tokens, hidden)
-        plain, packed = [], []
+        plain, packed, bf16 = [], [], []
         with torch.inference_mode():
             for _ in range(args.rounds):
                 plain.append(fastest(args.reps, _forward, layers, x))
                 with packed_projections(layers):
                     packed.append(fastest(args.reps, _forward, layers, x))
-        a, b = min(plain) / args.layers, min(packed) / args.layers
-        print(f"{tokens:>8}{a:>12.1f}{b:>10.1f}{a / b:>7.2f}x")
+                with torch.autocast("cpu", dtype=torch.bfloat16), packed_projections(layers):
+                    bf16.append(fastest(args.reps, _forward, layers, x))
+        a, b, c = (min(t) / args.layers for t in (plain, packed, bf16))
+        print(f"{tokens:>8}{a:>12.1f}{b:>10.1f}{a / b:>7.2f}x{c:>13.1f}{b / c:>10.2f}x")
 
 
 def _gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
