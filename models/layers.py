@@ -200,8 +200,9 @@ class PackedLinear:
 
     ``dtype``: the packed weight's dtype (default: the layers'). bf16 copies of fp32 weights serve sampling under
     CPU bf16 autocast: the input is cast as ``F.linear`` under autocast casts it, the output is bf16, and on a CPU
-    with native bf16 products (AVX512-BF16 / AMX) they cost about half the fp32 ones (a 2-core AMD EPYC, 256 rows x
-    576 -> 3,072: 2.1 vs 4.1 ms). Such a copy is never ``exact``.
+    with native bf16 products (AVX512-BF16 / AMX) they take 1.7-1.9x less time than fp32 packed ones (a layer's
+    groups at hidden 576, 4-256 tokens, on a 2-core AMD EPYC: ``bench.cpu_kernels --hidden 576``). Such a copy is
+    never ``exact``.
     """
 
     BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows; any row count works
