@@ -109,6 +109,38 @@ def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny,
     assert torch.equal(logits(adapter), unmerged)
 
 
+@pytest.mark.skipif(not getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)(),
+                    reason="a CPU without native bf16 products: bf16 autocast runs unpacked")
+@pytest.mark.parametrize("rank", [1, 4])
+def test_bf16_packed_products_keep_the_adapters(tiny, rank):
+    """Under bf16 autocast (``compute_dtype="bfloat16"``) a LoRA policy's packed groups are bf16 copies that keep its
+    adapters, beside the product (rank 1) or merged into it (rank 4): logits agree with the unpacked adapter's under
+    the same autocast to bf16 rounding and are far from the base model's; nothing is parked and the fp32 base and
+    adapter weights are untouched."""
+    adapter = tiny("sdar")
+    wrap(adapter, LoraSettings(enabled=True, rank=rank, alpha=2 * rank))
+    with torch.no_grad():
+        for n, p in adapter.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    before = {n: p.detach().clone() for n, p in adapter.model.named_parameters()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unpacked = logits(adapter).float()
+        plain = logits(tiny("sdar")).float()
+        with packed_projections(adapter.model, park=True), merged_for_sampling(adapter.model):
+            groups = [(m._packed[g], any(hasattr(getattr(m, n), "lora_A") for n in names))
+                      for m in adapter.model.modules() if isinstance(m, Projections)
+                      for g, names in m.projection_groups.items()]
+            assert groups and all(p.dtype == torch.bfloat16 and not p.exact for p, _ in groups)
+            beside = [p.low_rank is not None for p, adapted in groups if adapted]
+            assert any(beside) and all(beside) == (rank == 1)  # rank 4: the narrow attention groups merged
+            packed = logits(adapter).float()
+    scale = unpacked.abs().max()
+    torch.testing.assert_close(packed, unpacked, atol=0.03 * scale, rtol=0)
+    assert (plain - unpacked).abs().max() > 0.1 * scale  # the adapters matter at this size
+    assert all(torch.equal(p, before[n]) for n, p in adapter.model.named_parameters())
+
+
 @pytest.mark.parametrize("base", ["sdar_moe", "llada2"])
 def test_merged_sampling_of_adapted_expert_tensors_restores_them_bit_for_bit(tiny, base):
     adapter = tiny(base)
