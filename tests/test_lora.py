@@ -43,6 +43,18 @@ def base_state(model) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items() if "lora_" not in k}
 
 
+def adapted_tiny(tiny, rank: int, std: float, base: str = "sdar"):
+    """A tiny policy of family ``base`` with LoRA adapters of ``rank`` whose B matrices are drawn from N(0, std) (so
+    they change the outputs; a fresh adapter is the base model exactly)."""
+    adapter = tiny(base)
+    wrap(adapter, LoraSettings(enabled=True, rank=rank, alpha=2 * rank))
+    with torch.no_grad():
+        for n, p in adapter.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, std)
+    return adapter
+
+
 @pytest.mark.parametrize("base", ["sdar", "llada", "sdar_moe", "llada2", "llada_moe"])
 def test_fresh_adapter_is_the_base_model_exactly_and_only_adapters_train(tiny, base):
     adapter = tiny(base)
@@ -67,12 +79,7 @@ def test_fresh_adapter_is_the_base_model_exactly_and_only_adapters_train(tiny, b
 
 @pytest.mark.parametrize("rank", [1, 4])
 def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny, rank):
-    adapter = tiny("sdar")
-    wrap(adapter, LoraSettings(enabled=True, rank=rank, alpha=2 * rank))
-    with torch.no_grad():
-        for n, p in adapter.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    adapter = adapted_tiny(tiny, rank, std=0.05)
     base = base_state(adapter.model)
     unmerged = logits(adapter)
     projections = [m for m in adapter.model.modules() if isinstance(m, Projections)]
@@ -117,12 +124,7 @@ def test_bf16_packed_products_keep_the_adapters(tiny, rank):
     adapters, beside the product (rank 1) or merged into it (rank 4): logits agree with the unpacked adapter's under
     the same autocast to bf16 rounding and are far from the base model's; nothing is parked and the fp32 base and
     adapter weights are untouched."""
-    adapter = tiny("sdar")
-    wrap(adapter, LoraSettings(enabled=True, rank=rank, alpha=2 * rank))
-    with torch.no_grad():
-        for n, p in adapter.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
+    adapter = adapted_tiny(tiny, rank, std=0.2)
     before = {n: p.detach().clone() for n, p in adapter.model.named_parameters()}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         unpacked = logits(adapter).float()
@@ -143,12 +145,7 @@ def test_bf16_packed_products_keep_the_adapters(tiny, rank):
 
 @pytest.mark.parametrize("base", ["sdar_moe", "llada2"])
 def test_merged_sampling_of_adapted_expert_tensors_restores_them_bit_for_bit(tiny, base):
-    adapter = tiny(base)
-    wrap(adapter, LoraSettings(enabled=True, rank=4, alpha=8))
-    with torch.no_grad():
-        for n, p in adapter.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    adapter = adapted_tiny(tiny, 4, std=0.05, base=base)
     wrappers = [m for m in adapter.model.modules() if hasattr(m, "parameter_name")]
     experts = {id(m.get_base_layer()): m.get_base_layer() for m in wrappers}.values()
     before = [(e.gate_up_proj, e.gate_up_proj.detach().clone(), e.down_proj.detach().clone()) for e in experts]
