@@ -50,6 +50,7 @@ PRESETS = {  # hidden, layers, heads, kv heads, head dim, mlp, vocab
     "cpu-4096": (256, 4, 8, 2, 32, 768, 4096),
     "cpu-small": (128, 4, 4, 2, 32, 384, 0),
     "cpu-151936": (256, 4, 8, 2, 32, 768, 151936),  # the cpu preset with Qwen3's vocabulary: the LM head dominates
+    "135m": (576, 30, 9, 3, 64, 1536, 49152),  # SmolLM2-135M's shape (the real-weights recipe's model)
     "1.7b": (2048, 28, 16, 8, 128, 6144, 151936),  # Qwen3-1.7B / SDAR-1.7B shape
 }
 

@@ -21,6 +21,7 @@ def test_a_tiny_run_serves_every_request_and_prints_both_ratios():
     rows = {int(cols[0]): cols for line in lines if (cols := line.split()) and cols[0] in ("1", "2")}
     assert set(rows) == {1, 2}
     for cols in rows.values():
-        # tok/s > 0 (every request answered with its 8 tokens), then the ratios vs offline batch and vs one client
-        assert float(cols[1]) > 0 and cols[-2].endswith("x") and cols[-1].endswith("x")
-    assert rows[1][-1] == "1.00x"
+        # tok/s > 0 (every request answered with its 8 tokens), the ratios vs offline batch and vs one client, the
+        # client process's CPU
+        assert float(cols[1]) > 0 and cols[-3].endswith("x") and cols[-2].endswith("x") and cols[-1].endswith("%")
+    assert rows[1][-2] == "1.00x"
