@@ -57,8 +57,9 @@ def offline(adapter, prompts: list[str], params: SamplingParams, batch: int) -> 
 
 class Connection:
     """One keep-alive HTTP/1.1 connection that posts JSON and reads a chunked SSE answer, on asyncio's streams: a
-    load generator as light as it can be, since on a small machine its CPU comes out of the server's cores (a
-    general client library cost ~220 us of CPU per streamed event here, the server's whole HTTP side ~150)."""
+    load generator as light as it can be, since on a small machine its CPU comes out of the server's cores. For 32
+    streamed chat requests of 64 tokens (~640 events) it takes 0.026 s of CPU where httpx's async client took
+    0.11 s (2 cores, three rounds each)."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
