@@ -37,7 +37,8 @@ def numeric_scalars(metrics: dict) -> dict[str, float]:
 
 def start_trackers(cfg: Any, run_dir: Path, first_step: int = 1) -> Trackers:
     """The enabled trackers; ``first_step`` > 1 (a resumed run): TensorBoard hides what an earlier attempt logged
-    for the steps about to be redone (a step interrupted after its metrics were logged is logged again)."""
+    for the steps about to be redone (a step interrupted after its metrics were logged is logged again); wandb shows
+    both attempts (``WandbRun``)."""
     trackers = []
     if cfg.wandb.enabled:
         trackers.append(_wandb_run(cfg, run_dir))
@@ -53,8 +54,25 @@ def _wandb_run(cfg: Any, run_dir: Path) -> Any:
     except ImportError:
         raise RunDirError("wandb.enabled is true but wandb is not installed (pip install wandb)") from None
     w = cfg.wandb
-    return wandb.init(project=cfg.experiment.project, entity=w.entity, resume=w.resume, dir=str(run_dir),
-                      config=to_dict(cfg))
+    return WandbRun(wandb.init(project=cfg.experiment.project, entity=w.entity, resume=w.resume, dir=str(run_dir),
+                               config=to_dict(cfg)))
+
+
+class WandbRun:
+    """A wandb run whose x axis is the job's ``step`` metric, not wandb's own step counter: wandb drops a value
+    logged with ``step=`` below the run's last step, so a resumed run's redone steps (a step interrupted after its
+    metrics were logged is logged again) would be lost; as a metric they are kept, beside the first attempt's."""
+
+    def __init__(self, run: Any):
+        self.run = run
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log({**scalars, "step": step})
+
+    def finish(self) -> None:
+        self.run.finish()
 
 
 class TensorBoard:

@@ -85,8 +85,12 @@ class _FakeWandb:
         self.inits.append(kw)
         return self
 
+    def define_metric(self, name, step_metric=None):
+        pass
+
     def log(self, data, step=None):
-        self.logs.append((step, data))
+        assert step is None  # the job's step is a metric (jobs/trackers.WandbRun)
+        self.logs.append((data["step"], data))
 
     def finish(self):
         pass

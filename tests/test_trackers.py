@@ -90,3 +90,18 @@ def test_a_writer_opened_in_the_same_second_keeps_the_earlier_file(tmp_path, mon
     second.finish()
     assert len(list(tmp_path.glob("events.out.tfevents.1795636206.*"))) == 2
     assert read_scalars(tmp_path)["reward"] == pytest.approx({1: 0.25, 2: 0.5})
+
+
+def test_wandb_keeps_the_values_of_a_redone_step(tmp_path, monkeypatch):
+    """A resumed run logs the steps it redoes again: with the job's step as wandb's x axis (a metric, not wandb's
+    own step counter, which refuses a step below its last) the redone step's values are kept (wandb offline)."""
+    wandb = pytest.importorskip("wandb")
+    from jobs.trackers import WandbRun
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = WandbRun(wandb.init(project="t", dir=str(tmp_path), mode="offline"))
+    for step, reward in ((1, 0.1), (2, 0.2), (3, 0.3), (2, 0.5)):  # step 2 redone after a resume
+        run.log({"reward": reward}, step=step)
+    summary = dict(run.run.summary)
+    run.finish()
+    assert summary["reward"] == 0.5 and summary["step"] == 2
