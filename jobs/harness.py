@@ -12,6 +12,7 @@ only in its own registry, so this module must be imported before lm-eval's CLI p
   random numbers: the choices of a multiple-choice question are compared on the same masks). ``is_greedy``: the
   greedy sampler, one token per step, reproduces the continuation exactly.
 * ``loglikelihood_rolling`` is refused: a diffusion model gives only a bound on a text's log-likelihood.
+* A context too long for the model's positions loses its oldest tokens (logged), as in lm-eval's own models.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ CHAT_TAG = "\ue001dllm-chat:"  # marks a context that lm-eval's --apply_chat_tem
 ROLLING_REFUSAL = ("loglikelihood_rolling is not supported: a diffusion LM gives only a lower bound (ELBO) on a "
                    "text's log-likelihood, not the exact value perplexity needs")
 _GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
+log = logging.getLogger(__name__)
 
 
 @register_model(MODEL_NAME)
@@ -83,8 +85,9 @@ class DiffusionLM(LM):
         out: list[str] = [""] * len(requests)
         for indices in _groups(settings).values():
             params, until = self._params_for(settings[indices[0]])
-            rollout = generate(self.adapter, [self.context_ids(contexts[i]) for i in indices], params,
-                               progress=not disable_tqdm)
+            room = params.max_tokens + params.block_for(self.adapter.attention, self.adapter.block_size)
+            prompts = [self._left_truncated(self.context_ids(contexts[i]), room) for i in indices]
+            rollout = generate(self.adapter, prompts, params, progress=not disable_tqdm)
             for i, traj in zip(indices, rollout, strict=True):
                 out[i] = cut_at(response_text(traj, self.adapter.tokenizer), until)
                 self.cache_hook.add_partial("generate_until", (contexts[i], settings[i]), out[i])
@@ -112,7 +115,8 @@ class DiffusionLM(LM):
     # ------------------------------------------------------------ likelihood
 
     def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = [self.encode_pair(*r.args) for r in requests]
+        pairs = [(self._left_truncated(ctx, len(cont) + self._block_room()), cont)
+                 for ctx, cont in (self.encode_pair(*r.args) for r in requests)]
         greedy = self._greedy_matches(pairs) if self.greedy_check else [False] * len(pairs)
         out = []
         for r, (context, continuation), is_greedy in zip(requests, pairs, greedy, strict=True):
@@ -121,6 +125,21 @@ class DiffusionLM(LM):
             out.append((score, is_greedy))
             self.cache_hook.add_partial("loglikelihood", r.args, out[-1])
         return out
+
+    def _block_room(self) -> int:
+        """Positions a block model's last, partial block may need beyond the continuation (0: full attention)."""
+        return self.adapter.block_size if self.adapter.attention == "block" else 0
+
+    def _left_truncated(self, ids: list[int], room: int) -> list[int]:
+        """``ids`` without its oldest tokens where it and ``room`` more positions exceed the model's position
+        limit (lm-eval's own models cut a long context from the left alike); each cut is logged."""
+        limit = getattr(self.adapter.model.config, "max_position_embeddings", None)
+        if limit is None or len(ids) + room <= limit:
+            return ids
+        keep = max(limit - room, 1)
+        log.warning("%s: a context of %d tokens is cut to its last %d (max_position_embeddings %d, %d positions "
+                    "kept for the answer)", MODEL_NAME, len(ids), keep, limit, room)
+        return ids[-keep:]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         raise NotImplementedError(ROLLING_REFUSAL)
@@ -142,9 +161,9 @@ class DiffusionLM(LM):
         continuation (as its ELBO sees it: no masked positions after it); block models: their own blocks."""
         greedy = replace(self.params, temperature=0.0, top_k=0, top_p=1.0, max_tokens=n, ignore_eos=True,
                          stop_token_ids=[], stop=[], alg_temp=0.0)
-        if self.adapter.attention == "full":
-            return replace(greedy, block_size=n, steps=None)
-        return replace(greedy, denoising_steps=greedy.block_for("block", self.adapter.block_size))
+        if self.adapter.attention == "full":  # no cache: the prefix cache is an approximation there
+            return replace(greedy, block_size=n, steps=None, cache="none")
+        return replace(greedy, block_size=self.adapter.block_size, denoising_steps=self.adapter.block_size)
 
     # ------------------------------------------------------------ prompts
 
@@ -165,12 +184,19 @@ class DiffusionLM(LM):
         return chat_ids(self.adapter, messages, self.start_with_think, add_generation_prompt)
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """(context ids, continuation ids). Raw text is tokenised whole and split, so a word is not cut in two at
-        the boundary; after a chat template the continuation starts a new assistant turn and is tokenised alone."""
+        """(context ids, continuation ids). After a chat template the continuation starts a new assistant turn and
+        is tokenised alone. Raw text, as lm-eval's own models split it: the context's trailing whitespace moves to
+        the continuation (a BPE tokenizer joins a space to the word after it: "is " + "the" is "is" + " the"), the
+        whole text is tokenised and cut after the context's tokens; should that cut leave the continuation no
+        token (the context's last token swallowed it), both sides are tokenised alone, so it is still scored."""
         if self.chat or context.startswith(CHAT_TAG):
             return self.context_ids(context), self.adapter.encode_text(continuation)
+        stripped = context.rstrip()
+        context, continuation = stripped, context[len(stripped):] + continuation
         whole = self.adapter.encode_text(context + continuation)
         n = len(self.adapter.encode_text(context))
+        if n >= len(whole):
+            return self.adapter.encode_text(context), self.adapter.encode_text(continuation)
         return whole[:n], whole[n:]
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -190,7 +216,7 @@ def _device(requested: str | None) -> str:
     """The device to load on: lm-eval's CLI passes "cuda" unless told otherwise, so a CPU-only machine falls back
     to the CPU (with a warning) as lm-eval's own HF model does."""
     if requested and requested.startswith("cuda") and not torch.cuda.is_available():
-        logging.getLogger(__name__).warning("%s: device %r is not available, using the CPU", MODEL_NAME, requested)
+        log.warning("%s: device %r is not available, using the CPU", MODEL_NAME, requested)
         return "cpu"
     return requested or default_device()
 

@@ -230,3 +230,44 @@ def test_apply_chat_template_contexts_render_like_eval_py(harness_lm):
     prefixed = turn + [{"role": "assistant", "content": "Answer:"}]
     context = harness_lm.apply_chat_template(prefixed, add_generation_prompt=False)
     assert harness_lm.context_ids(context) == chat_ids(adapter, turn) + adapter.encode_text("Answer:")
+
+
+def test_raw_text_pairs_split_as_lm_eval_splits_them(harness_lm, monkeypatch):
+    """chat=false: the context's trailing space moves to the continuation (BPE joins a space to the next word), so
+    the continuation keeps every word; a continuation the split would leave empty is still scored."""
+    monkeypatch.setattr(harness_lm, "chat", False)
+    tok, encode = harness_lm.adapter.tokenizer, harness_lm.adapter.encode_text
+    for context, continuation in (("The answer is ", "the cat"), ("Answer: ", "is"), ("Compute 1 + 2.", " 3")):
+        ctx, cont = harness_lm.encode_pair(context, continuation)
+        assert ctx == encode(context.rstrip()) and ctx + cont == encode(context + continuation)
+        assert tok.decode(cont) == context[len(context.rstrip()):] + continuation
+    ((score, _),) = harness_lm.loglikelihood(_requests(("Answer: ", "is")))
+    assert math.isfinite(score) and score < 0
+
+
+@pytest.fixture
+def short_positions(harness_lm):
+    """The harness model with 64 positions (LLaDA's config spells the limit max_sequence_length, an alias)."""
+    config = harness_lm.adapter.model.config
+    old, config.max_position_embeddings = config.max_position_embeddings, 64
+    yield 64
+    config.max_position_embeddings = old
+
+
+def test_a_context_too_long_for_the_model_loses_its_oldest_tokens(harness_lm, short_positions, caplog):
+    limit = short_positions
+    context = "Compute 1 + 2. " * 40
+    assert len(harness_lm.context_ids(context)) > limit
+    with caplog.at_level("WARNING", logger="jobs.harness"):
+        (text,) = harness_lm.generate_until(_requests((context, {"until": [], "max_gen_toks": 8})))
+    assert isinstance(text, str) and "cut to its last" in caplog.text
+    ((score, _),) = harness_lm.loglikelihood(_requests((context, " 3")))
+    ctx, cont = harness_lm.encode_pair(context, " 3")
+    kept = ctx[-(limit - len(cont)):]  # full attention: the continuation needs only its own positions
+    gen = torch.Generator().manual_seed(harness_lm.seed)
+    assert score == pytest.approx(continuation_elbo(harness_lm.adapter, kept, cont, 4, gen), abs=1e-6)
+
+
+def test_is_greedy_decodes_without_the_approximate_prefix_cache(harness_lm):
+    # full attention: the prefix cache (Fast-dLLM) is an approximation; is_greedy is about the model itself
+    assert harness_lm.params.cache == "prefix" and harness_lm._greedy_params(3).cache == "none"
