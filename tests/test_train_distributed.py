@@ -50,6 +50,9 @@ def test_policy_trainer_step_two_processes(tmp_path, config, kind):
     # Metrics are global: both ranks report the trained tokens of all 5 samples (filler excluded) and one loss.
     assert r["tokens"][0] == r["tokens"][1] == r["expected_tokens"] > 0
     assert r["losses"][0] == r["losses"][1]
+    # ... and the loss of one process on all 5: each rank's weights are normalised over the whole step, not over
+    # its own shard (whose units and longest response differ), so no token weighs more for where it landed
+    assert r["losses"][0] == pytest.approx(r["expected_loss"], rel=1e-5)
     assert r["identical_across_ranks"]  # the ranks trained on different shards and still hold the same weights
     assert r["max_update"] > 1e-4 and all(abs(x) < 1e3 for x in r["losses"])
 
@@ -100,7 +103,9 @@ def main() -> None:
     trajs = [fake_block_trajectory(rng, f"t{i}", rng.randint(1, 9), rng.randint(5, 12), 4, 3, 63, 63)
              for i in range(5)]
     advantages = {t.sample_id: 1.0 for t in trajs}
-    expected_tokens = build_view(trajs, advantages, cfg, ModelTraits.from_adapter(adapter)).num_tokens
+    whole = build_view(trajs, advantages, cfg, ModelTraits.from_adapter(adapter))  # one process, every sample
+    # old log-probs recomputed before the update: ratio 1, so the loss is -sum(weight * advantage) and the KL 0
+    expected_tokens, expected_loss = whole.num_tokens, float(-(whole.weights * whole.advantages).sum())
     (metrics,) = trainer.train_step(trajs, advantages)
     after = _gathered(accelerator, trainer.model)
     dev = accelerator.device
@@ -111,6 +116,7 @@ def main() -> None:
               "identical_across_ranks": bool(all(torch.equal(all_after[0], r) for r in all_after)),
               "max_update": float((after - start).abs().max()), "micro_batches": summary[:, 0].tolist(),
               "tokens": summary[:, 1].tolist(), "losses": summary[:, 2].tolist(), "expected_tokens": expected_tokens,
+              "expected_loss": expected_loss,
               "seconds": time.perf_counter() - t0}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

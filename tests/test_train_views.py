@@ -314,6 +314,43 @@ def test_loss_weights_are_layout_independent():
             assert total == pytest.approx(1.0)
 
 
+
+@pytest.mark.parametrize("norm", ["padded_length", "row_mean", "token_mean", "unit_sum"])
+def test_shards_normalised_over_processes_weigh_tokens_as_the_whole_batch(norm):
+    """Three processes build views of their own shards (unequal units, tokens, longest responses); rescaled by the
+    step's counts over all of them, every token weighs world x its weight in one process's view of the whole batch
+    (data parallelism averages the gradients), and the batch-level normalisers are the whole batch's / world."""
+    from train.views import NORM_COUNTS, normalised_over_processes
+
+    rng = random.Random(3)
+    trajs = [fake_block_trajectory(rng, str(i), rng.randint(1, 9), rng.randint(2, 15), 4, 3, 50, MASK)
+             for i in range(7)]
+    ids = ModelTraits(mask_id=MASK, pad_id=PAD, attention="block", block_size=4)
+    adv = {t.sample_id: 1.0 for t in trajs}
+    cfg = ViewConfig(loss_norm=norm)
+    world, shards = 3, [trajs[0:1], trajs[1:4], trajs[4:7]]
+    views = [build_view(shard, adv, cfg, ids) for shard in shards]
+    totals = {k: sum(v.counts[k] for v in views) for k in NORM_COUNTS}
+    totals["longest"] = max(v.counts["longest"] for v in views)
+    whole = build_view(trajs, adv, cfg, ids)
+
+    def weights(batch, scale=1.0):
+        tokens = zip(batch.sample_index.tolist(), batch.token_index.tolist(), batch.weights.tolist())
+        return {(batch.sample_ids[s], t): w * scale for s, t, w in tokens}
+
+    got, before = {}, {}
+    for view in views:
+        rescaled = normalised_over_processes(view, totals, world)
+        got.update(weights(rescaled, 1 / world))
+        before.update(weights(view, 1 / world))
+        for key in ("batch_resp_len", "batch_groups"):
+            assert float(rescaled.extra[key][0]) == pytest.approx(float(whole.extra[key][0]) / world)
+    expected = weights(whole)
+    assert got.keys() == expected.keys()
+    assert all(got[k] == pytest.approx(expected[k], rel=1e-6) for k in expected)
+    assert any(before[k] != pytest.approx(expected[k], rel=1e-3) for k in expected)  # per-shard weights differ
+
+
 # ---------------------------------------------------------------- random masking and coupled
 
 

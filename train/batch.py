@@ -40,6 +40,10 @@ class TrainBatch:
     dropped: list[tuple[str, str]]  # (sample_id, reason) of trajectories left out
     extra: dict[str, Tensor] = field(default_factory=dict)  # more [T] vectors (e.g. old values), kept by select_rows
     filler: bool = False  # a zero-weight copy that only keeps collective ops in step across processes
+    # what the loss weights were normalised by (train/views.py, NORM_COUNTS): units, tokens, longest response,
+    # summed response length, prompt groups; and the loss_norm that used them
+    counts: dict[str, float] = field(default_factory=dict)
+    loss_norm: str = "token_mean"
 
     @property
     def num_rows(self) -> int:

@@ -37,7 +37,7 @@ from train.logprobs import gathered_logprobs
 from train.loss import LOSS_KEYS, LossOutput, finalize_metrics, sum_metrics
 from train.schedules import LRSchedule
 from train.settings import LRSchedulerConfig, OptimizerParams, TrainerSettings
-from train.views import ModelTraits, build_view
+from train.views import NORM_COUNTS, ModelTraits, build_view, normalised_over_processes
 
 if TYPE_CHECKING:
     from models.registry import Adapter
@@ -150,11 +150,27 @@ class Trainer:
                             self.whole_groups, generator)
         view_cfg = replace_settings(self.cfg, seed=self.cfg.seed + 7919 * self.rl_step + acc.process_index
                                     + 104_729 * epoch)
-        batches = [build_view(step, advantages, view_cfg, self.traits) for step in steps]
+        batches = self._normalised_over_processes([build_view(step, advantages, view_cfg, self.traits)
+                                                   for step in steps])
         self.dropped = [d for b in batches for d in b.dropped]
         if self.dropped:
             log.warning("dropped %d trajectories: %s", len(self.dropped), self.dropped[:5])
         return batches
+
+    def _normalised_over_processes(self, batches: list[TrainBatch]) -> list[TrainBatch]:
+        """Every process's optimiser-step batches weighted as the whole step's batch (``normalised_over_processes``:
+        each view was normalised by its own shard's counts). Every process has the same number of steps."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return batches
+        local = torch.tensor([[b.counts[k] for k in NORM_COUNTS] for b in batches], dtype=torch.float64,
+                             device=acc.device)
+        every = acc.gather(local[None]).cpu()  # [processes, steps, counts]
+        totals = every.sum(0)
+        longest = NORM_COUNTS.index("longest")
+        totals[:, longest] = every[:, :, longest].max(0).values
+        return [normalised_over_processes(b, dict(zip(NORM_COUNTS, t.tolist())), acc.num_processes)
+                for b, t in zip(batches, totals, strict=True)]
 
     def compute_old_logprobs(self, plan: Plan) -> dict[str, float]:
         """Per-token quantities the loss needs from the model before any update (none by default)."""

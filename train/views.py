@@ -17,7 +17,9 @@ response + tail; for shifted families (Dream) the hidden index of token i is i -
 an empty prompt, as in the sampler). Filtering, truncation and ``post_num``: train/samples.py.
 
 Loss weights are computed from the trajectory batch, independent of the layout, so packed == per-round exactly and
-micro-batches of one optimiser step simply add up (gradient accumulation divides once):
+micro-batches of one optimiser step simply add up (gradient accumulation divides once); with several processes,
+each process's shard is rescaled to the whole step's counts (``normalised_over_processes``), so a token weighs the
+same wherever it lands:
 * ``padded_length`` (the reference's block models, train/rl_trado.py forward_process): every trained token
   weighs 1 / (U * L1max), U = number of per-round rows ("units"; counted as per-round rows even when packed),
   L1max = longest response in the batch;
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -197,7 +200,8 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
     resp_len = torch.tensor([len(sample.resp) for sample in samples], dtype=torch.float32)
     group_of = {}
     sample_group = torch.tensor([group_of.setdefault(s.group_id, len(group_of)) for s in samples], dtype=torch.long)
-    weights = _weights(unit, samples, cfg.loss_norm or algorithm.loss_norm)
+    loss_norm = cfg.loss_norm or algorithm.loss_norm
+    weights = _weights(unit, samples, loss_norm)
     return TrainBatch(
         input_ids=tensors.input_ids, position_ids=tensors.position_ids, layout=tensors.layout,
         row_sample=torch.tensor([row.sample for row in rows], dtype=torch.long),
@@ -211,7 +215,11 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
         exact=exact, dropped=dropped, extra={"level": level, "resp_len": resp_len[sample_index],
                                              "batch_resp_len": resp_len.sum().expand(len(token_cols)).clone(),
                                              "group": sample_group[sample_index] if rows else _empty(),
-                                             "batch_groups": torch.full((len(token_cols),), float(len(group_of)))})
+                                             "batch_groups": torch.full((len(token_cols),), float(len(group_of)))},
+        counts={"units": float(int(unit.max()) + 1 if len(unit) else 0), "tokens": float(len(token_cols)),
+                "longest": float(max((len(sample.resp) for sample in samples), default=0)),
+                "resp_len": float(resp_len.sum()), "groups": float(len(group_of))},
+        loss_norm=loss_norm)
 
 
 def _empty() -> Tensor:
@@ -241,6 +249,30 @@ def _per_sample_gather(samples: list[Sample], sample_index: Tensor, resp_index: 
         return flat[offsets[sample_index] + resp_index]
 
     return gather
+
+
+NORM_COUNTS = ("units", "tokens", "longest", "resp_len", "groups")  # TrainBatch.counts, in a fixed order
+
+
+def normalised_over_processes(batch: TrainBatch, totals: Mapping[str, float], world: int) -> TrainBatch:
+    """One process's shard of an optimiser step, its loss weighted as the whole step's batch would be.
+
+    Each process builds the view of its own shard, normalised by the shard's counts (units, tokens, longest
+    response...), so a token's weight would depend on which process it landed on. ``totals``: the counts over
+    every process (the longest response: the longest of all). Weights and the batch-level normalisers become the
+    whole batch's, times ``world``, since data parallelism averages the processes' gradients: the step is then
+    the step of one process on the whole batch."""
+    mine = batch.counts
+    if batch.loss_norm == "padded_length":
+        local, whole = mine["units"] * mine["longest"], totals["units"] * totals["longest"]
+    elif batch.loss_norm == "token_mean":
+        local, whole = mine["tokens"], totals["tokens"]
+    else:  # row_mean, unit_sum: per-unit means or sums, averaged over units
+        local, whole = mine["units"], totals["units"]
+    scale = world * local / whole if whole else 0.0
+    whole_batch = {"batch_resp_len": totals["resp_len"] / world, "batch_groups": totals["groups"] / world}
+    extra = {k: torch.full_like(v, whole_batch[k]) if k in whole_batch else v for k, v in batch.extra.items()}
+    return replace(batch.with_weights(batch.weights * scale), extra=extra)
 
 
 def _weights(unit: Tensor, samples: list[Sample], loss_norm: str) -> Tensor:
