@@ -219,6 +219,10 @@ class ServeEngine:
             raise RequestError(400, str(err), err.field) from None
         except TypeError as err:
             raise RequestError(400, str(err)) from None
+        if self.adapter.attention == "full" and self.limit is not None and params.max_tokens > self.limit:
+            # a full-attention group sizes its canvas and schedule by max_tokens: refuse before building one
+            raise RequestError(400, f"max_tokens {params.max_tokens} is more than the model's {self.limit} positions",
+                               "max_tokens")
         return params
 
     def submit(self, request_id: str, prompts: list[list[int]], n: int, params: SamplingParams, stops: list[str],
@@ -232,6 +236,9 @@ class ServeEngine:
             group = self._groups.get(key) or self._new_group(key, group_params)
             budgets = [self._budget(group, p, params.max_tokens) for p in prompts]
             wanted = len(prompts) * n
+            if wanted > self.max_batch + self.max_queue:
+                raise RequestError(400, f"the request asks for {wanted} sequences (prompts x n); this server runs "
+                                        f"at most {self.max_batch + self.max_queue} at a time", "n")
             if len(self._choices) + wanted > self.max_batch + self.max_queue:
                 raise RequestError(503, f"the server is at capacity ({len(self._choices)} sequences running or "
                                         f"waiting, at most {self.max_batch + self.max_queue}); retry later")
@@ -363,8 +370,8 @@ class ServeEngine:
                 self._post(choice.request, "text", choice.index, delta)
             if hit:
                 self._choices.pop(seq_id)
-                logps = next(r.logprobs for r in group.engine.sampler.running if r.seq.index == seq_id)
-                self._finish_at_stop(choice, ids, logps, hit)
+                row = next(r for r in group.engine.sampler.running if r.seq.index == seq_id)
+                self._finish_at_stop(choice, ids, row.logprobs, row.steps, hit)
                 stopped.append(seq_id)
         return stopped
 
@@ -373,7 +380,7 @@ class ServeEngine:
         ids = done.response[:-1] if ends_with_stop else done.response
         text, delta, hit = choice.stream.finish(ids)
         if hit:
-            self._finish_at_stop(choice, ids, done.logprobs, hit, text, delta)
+            self._finish_at_stop(choice, ids, done.logprobs, done.steps, hit, text, delta)
             return
         req = choice.request
         if delta and req.stream:
@@ -386,16 +393,20 @@ class ServeEngine:
         choice.done = True
         self._post(req, "done", choice.index, result)
 
-    def _finish_at_stop(self, choice: Choice, ids: list[int], logps: list[float], hit: tuple[int, int],
-                        text: str | None = None, delta: str = "") -> None:
-        """A stop string matched: the text before it is the answer; usage counts the tokens through the stop, the
-        log-probs cover the tokens that make up the answer (the last may run into the stop string)."""
+    def _finish_at_stop(self, choice: Choice, ids: list[int], logps: list[float], steps: list[int],
+                        hit: tuple[int, int], text: str | None = None, delta: str = "") -> None:
+        """A stop string matched: the text before it is the answer; usage, token ids and step map count the tokens
+        through the stop, the log-probs cover the tokens that make up the answer (the last may run into the stop
+        string)."""
         if text is None:
             text, delta, _ = choice.stream.finish(ids)
         req = choice.request
         if delta and req.stream:
             self._post(req, "text", choice.index, delta)
-        result = ChoiceResult(text, "stop", choice.stream.tokens_through(ids, hit[1]))
+        through = choice.stream.tokens_through(ids, hit[1])
+        result = ChoiceResult(text, "stop", through)
+        if req.step_map:
+            result.token_ids, result.step_map = list(ids[:through]), list(steps[:through])
         if req.logprobs:
             kept = choice.stream.tokens_through(ids, len(text)) if text else 0
             result.logprobs = list(zip(ids[:kept], logps, strict=False))

@@ -65,6 +65,7 @@ class _Running:
     masks_left: int = 0  # masks left in the current block
     response: list[int] = field(default_factory=list)  # the blocks before ``blk``: complete, final, no stop in them
     logprobs: list[float] = field(default_factory=list)  # their tokens' log-probs
+    steps: list[int] = field(default_factory=list)  # and the steps that decoded them
 
 
 class FullSampler:
@@ -263,16 +264,18 @@ class FullSampler:
         return done
 
     def _keep_complete_blocks(self, rows: list[int]) -> None:
-        """Move ``rows`` to their next block, keeping the finished block's tokens and log-probs on the host for
-        ``committed`` (a copy once per block, not per step)."""
+        """Move ``rows`` to their next block, keeping the finished block's tokens, log-probs and steps on the host
+        for ``committed`` (a copy once per block, not per step)."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         cols = self.blk[idx, None] * self.bl + torch.arange(self.bl, device=self.device)
         tokens = self.canvas[idx, self.width:].gather(1, cols).tolist()
         logps = self.rec_logp[idx].gather(1, cols).tolist()
-        for i, toks, lps in zip(rows, tokens, logps):
+        steps = self.rec_step[idx].gather(1, cols).tolist()
+        for i, toks, lps, sts in zip(rows, tokens, logps, steps):
             row = self.running[i]
             row.response += toks
             row.logprobs += lps
+            row.steps += sts
             row.blk, row.t_block, row.masks_left = row.blk + 1, 0, self.bl
 
     def _trajectories(self, finished: list[int], status: list[list[int]]) -> list[Finished]:

@@ -58,7 +58,7 @@ class SamplingParams(Settings):
     stop_token_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = bounded(None, -2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
     max_active: int = bounded(256, 1)
     target: Target = "confidence"
     alg_temp: float = bounded(0.0, 0.0)

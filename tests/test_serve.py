@@ -151,6 +151,11 @@ def test_stop_strings_cut_the_text(server, sdar):
     assert 0 < out.usage.completion_tokens <= len(sdar.tokenizer.encode(text, add_special_tokens=False)) + 1
     texts, reasons, _ = streamed(chat(client, QUESTIONS[4], stop=stop, stream=True))
     assert texts == {0: want} and reasons == {0: "stop"}
+    # the decoding order of the tokens through the stop string, as a finished choice carries its own
+    traj, _ = offline(sdar, sdar.encode_chat(QUESTIONS[4]))
+    out = chat(client, QUESTIONS[4], stop=[stop], extra_body={"return_step_map": True})
+    n = out.usage.completion_tokens
+    assert out.choices[0].token_ids == traj.response_ids[:n] and out.choices[0].step_map == traj.step_map[:n]
 
 
 def test_sixteen_concurrent_clients(server, sdar):
@@ -216,6 +221,11 @@ def test_bad_requests_get_4xx_naming_the_field(server):
         chat(client, "hi", extra_body={"denoising_steps": 8})  # more steps than the block has tokens
     with pytest.raises(openai.BadRequestError, match="block_lenght"):
         chat(client, "hi", extra_body={"block_lenght": 8})
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        chat(client, "hi", seed=2**64)  # beyond what a generator takes
+    with pytest.raises(openai.BadRequestError, match=r"41 sequences.*at most 40") as err:
+        chat(client, "hi", n=41)  # more than the server ever runs at once: no retry helps
+    assert err.value.body["param"] == "n"
     resp = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "tiny", "messages": [', timeout=10,
                       headers={"content-type": "application/json"})
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
@@ -290,6 +300,16 @@ def test_full_attention_model_is_served(demo_tokenizer):
                                                  messages=[{"role": "user", "content": QUESTIONS[1]}])
             assert out.choices[0].message.content == text[:text.find(stop)]
             assert out.choices[0].finish_reason == "stop"
+            out = client.chat.completions.create(model="tiny-dream", max_tokens=16, stop=[stop],
+                                                 messages=[{"role": "user", "content": QUESTIONS[1]}],
+                                                 extra_body={"return_step_map": True})
+            n = out.usage.completion_tokens
+            assert out.choices[0].token_ids == long.response_ids[:n] and out.choices[0].step_map == long.step_map[:n]
+            # a full-attention canvas is sized by max_tokens: beyond the positions it is refused at once
+            with pytest.raises(openai.BadRequestError, match="max_tokens") as err:
+                client.chat.completions.create(model="tiny-dream", max_tokens=10**9,
+                                               messages=[{"role": "user", "content": "hi"}])
+            assert err.value.body["param"] == "max_tokens"
     finally:
         engine.close()
 
