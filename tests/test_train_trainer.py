@@ -325,3 +325,20 @@ def test_a_filler_micro_batch_adds_no_gradient_even_to_a_loss_that_ignores_weigh
         filler = replace(mb.with_weights(torch.zeros_like(mb.weights)), filler=True)
         norms.append(trainer.optimizer_step([mb, filler] if with_filler else [mb])["grad_norm"])
     assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("batch_size_lm", [1, 64])
+def test_a_router_aux_loss_counts_once_per_step_however_many_micro_batches(tiny, monkeypatch, batch_size_lm):
+    """The policy loss's micro-batches add up to the step's; a router's aux loss (a mean over one forward's tokens)
+    must not add up with them: the step takes its mean over the micro-batches, so its gradient does not grow with
+    the number of micro-batches."""
+    adapter = tiny("sdar")
+    trainer = make_trainer(adapter, micro_batch_size=batch_size_lm, max_grad_norm=0.0)  # no clipping
+    norm = adapter.model.model.norm.weight
+    monkeypatch.setattr(trainer, "_router_aux_loss", lambda: 0.5 * norm.sum())  # d/d(norm) = 0.5 per forward
+    grads = []
+    monkeypatch.setattr(trainer.optimizer, "step", lambda *a, **k: grads.append(norm.grad.detach().clone()))
+    trajs = fake_batch(adapter, n=3)
+    trainer.train_step(trajs, {t.sample_id: 0.0 for t in trajs})  # zero advantages: no policy gradient
+    (grad,) = grads
+    torch.testing.assert_close(grad, torch.full_like(grad, 0.5))

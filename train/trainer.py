@@ -243,13 +243,16 @@ class Trainer:
         lr = self.schedule.apply()
         self.model.train()
         parts = []
+        # the policy losses of the micro-batches add up to the step's (weights normalised over the whole step);
+        # a router's aux loss is a per-forward mean, so the step takes the mean over its micro-batches
+        forwards = sum(not mb.filler for mb in micro) or 1
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             acc.gradient_state._set_sync_gradients(last)
             ctx = nullcontext() if last or _is_deepspeed(acc) else acc.no_sync(self.model)
             with ctx:
                 out = self.loss(mb, self.model_outputs(mb))
-                total = (out.loss + self._router_aux_loss()) * self._accumulation_divisor()
+                total = (out.loss + self._router_aux_loss() / forwards) * self._accumulation_divisor()
                 # a filler only keeps the collectives in step: its zero weights do not silence every loss (VRPO's
                 # pairs, a router's aux loss), so its whole contribution is zeroed here
                 acc.backward(total * 0.0 if mb.filler else total)
