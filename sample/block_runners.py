@@ -31,8 +31,19 @@ RESERVE_MEMORY_SHARE = 0.5
 
 
 def free_device_bytes(device: torch.device) -> int | None:
-    """Free memory of a CUDA device; None elsewhere (a CPU cache is not bounded here)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    """Free memory of a CUDA device, or for a CPU cache the host's available memory (Linux's MemAvailable); None
+    where it is unknown. A server's settings group has no response budget of its own (each request brings one), so
+    its hint is unbounded and only this keeps the reservation within memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def bucket_for(rows: int) -> int:

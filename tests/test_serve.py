@@ -267,6 +267,20 @@ def test_api_key_and_models(sdar):
         engine.close()
 
 
+def test_fixed_capacity_cache_group_serves_on_cpu(sdar):
+    """``cuda_graphs=true`` decodes on the fixed-capacity KV cache (its CPU path too). A server's settings group has
+    no response budget of its own, so the cache reserves what memory allows instead of the unbounded budget."""
+    engine = ServeEngine(sdar, SamplingParams(**DEFAULTS, cuda_graphs=True), max_batch=4, max_queue=4)
+    try:
+        with background_server(build_app(engine, "tiny")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            for question in QUESTIONS[:2]:
+                _, text = offline(sdar, sdar.encode_chat(question))
+                assert chat(client, question).choices[0].message.content == text
+    finally:
+        engine.close()
+
+
 def test_full_attention_model_is_served(demo_tokenizer):
     dream = build_tiny("dream", demo_tokenizer)
     defaults = dict(max_tokens=8, temperature=0.0, block_size=4)
