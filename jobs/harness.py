@@ -45,6 +45,7 @@ CHAT_TAG = "\ue001dllm-chat:"  # marks a context that lm-eval's --apply_chat_tem
 ROLLING_REFUSAL = ("loglikelihood_rolling is not supported: a diffusion LM gives only a lower bound (ELBO) on a "
                    "text's log-likelihood, not the exact value perplexity needs")
 _GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own models' answer budget when a task gives no max_gen_toks
 log = logging.getLogger(__name__)
 
 
@@ -107,6 +108,8 @@ class DiffusionLM(LM):
                 changes[key] = type(getattr(self.params, key))(gen_kwargs[key])
         if gen_kwargs.get("do_sample") is False:
             changes["temperature"] = 0.0
+        elif gen_kwargs.get("do_sample") is True and "temperature" not in changes and not self.params.temperature:
+            changes["temperature"] = 1.0  # sampling asked for, no temperature given: transformers' default
         params = replace(self.params, **changes)
         check_for_model("gen_kwargs", params, self.adapter)
         until = gen_kwargs.get("until") or []
@@ -222,13 +225,14 @@ def _device(requested: str | None) -> str:
 
 
 def base_params(sampling: dict[str, Any], seed: int) -> SamplingParams:
-    """SamplingParams from model_args (greedy unless asked otherwise: lm-eval tasks assume it)."""
+    """SamplingParams from model_args (greedy unless asked otherwise: lm-eval tasks assume it; lm-eval's
+    256-token answer budget unless ``max_tokens`` is given)."""
     fields = config_fields(SamplingParams)
     unknown = set(sampling) - set(fields)
     if unknown:
         raise ValueError(f"{MODEL_NAME}: unknown model_args {sorted(unknown)}; sampler keys are {sorted(fields)}")
     try:
-        return SamplingParams(**{"temperature": 0.0, "seed": seed, **sampling})
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": DEFAULT_MAX_GEN_TOKS, "seed": seed, **sampling})
     except SettingError as err:
         raise ValueError(f"{MODEL_NAME}: model_args {err.field}: {err}") from None
 

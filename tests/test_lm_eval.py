@@ -271,3 +271,13 @@ def test_a_context_too_long_for_the_model_loses_its_oldest_tokens(harness_lm, sh
 def test_is_greedy_decodes_without_the_approximate_prefix_cache(harness_lm):
     # full attention: the prefix cache (Fast-dLLM) is an approximation; is_greedy is about the model itself
     assert harness_lm.params.cache == "prefix" and harness_lm._greedy_params(3).cache == "none"
+
+
+def test_generation_defaults_follow_lm_eval(harness_lm):
+    from jobs.harness import base_params
+
+    assert base_params({}, 0).max_tokens == 256 and base_params({"max_tokens": 32}, 0).max_tokens == 32
+    assert harness_lm._params_for({"do_sample": True})[0].temperature == 1.0  # sampling asked, no temperature
+    assert harness_lm._params_for({"do_sample": True, "temperature": 0.5})[0].temperature == 0.5
+    assert harness_lm._params_for({"do_sample": False, "temperature": 0.5})[0].temperature == 0.0
+    assert harness_lm._params_for({})[0].temperature == 0.0
