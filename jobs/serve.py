@@ -76,7 +76,7 @@ class _Body(BaseModel):
 class CompletionBody(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # refused when true
 
 
 class ChatBody(_Body):
@@ -129,6 +129,8 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
         authorize(request)
         check_model(body)
         _check_logprobs(body.logprobs or 0, "logprobs")
+        if body.echo:  # echo with log-probs asks for the prompt's: a diffusion model scores no prompt token
+            raise RequestError(400, "echo is not supported: send the prompt text yourself", "echo")
         prompts = _completion_prompts(adapter, body.prompt)
         return await _serve(engine, request, body, prompts, "text_completion", model_name)
 

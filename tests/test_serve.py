@@ -221,6 +221,8 @@ def test_bad_requests_get_4xx_naming_the_field(server):
         chat(client, "hi", extra_body={"denoising_steps": 8})  # more steps than the block has tokens
     with pytest.raises(openai.BadRequestError, match="block_lenght"):
         chat(client, "hi", extra_body={"block_lenght": 8})
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="tiny", prompt="hi", echo=True)
     with pytest.raises(openai.BadRequestError, match="seed"):
         chat(client, "hi", seed=2**64)  # beyond what a generator takes
     with pytest.raises(openai.BadRequestError, match=r"41 sequences.*at most 40") as err:
