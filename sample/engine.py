@@ -128,7 +128,12 @@ class Engine:
         """Admit waiting sequences while there is room, run one step; the sequences that finished in it."""
         free = self.max_active - len(self.sampler.running)
         if free > 0 and self.waiting:
-            self.sampler.admit([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
+            admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+            try:
+                self.sampler.admit(admitted)
+            except BaseException:  # back in the queue: whoever handles the failure still finds them (a server
+                self.waiting.extendleft(reversed(admitted))  # fails their requests instead of leaving them hanging)
+                raise
         if not self.sampler.running:
             return []
         finished = self.sampler.step()

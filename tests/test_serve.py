@@ -283,6 +283,33 @@ def test_fixed_capacity_cache_group_serves_on_cpu(sdar):
         engine.close()
 
 
+def test_a_failed_admission_fails_its_request_and_the_server_goes_on(demo_tokenizer, monkeypatch):
+    """A sampler that raises while admitting sequences (out of memory, say) ends their requests with an error; the
+    next request is served by a rebuilt group."""
+    from sample.full_sampler import WindowCachedFullSampler
+
+    dream = build_tiny("dream", demo_tokenizer)
+    real, calls = WindowCachedFullSampler._admit_cache, []
+
+    def fails_once(self, n):
+        calls.append(n)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return real(self, n)
+
+    monkeypatch.setattr(WindowCachedFullSampler, "_admit_cache", fails_once)
+    engine = ServeEngine(dream, SamplingParams(max_tokens=8, temperature=0.0, block_size=4))
+    try:
+        with background_server(build_app(engine, "tiny-dream")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+            ask = dict(model="tiny-dream", messages=[{"role": "user", "content": "hi"}])
+            with pytest.raises(openai.InternalServerError, match="out of memory"):
+                client.chat.completions.create(**ask)
+            assert client.chat.completions.create(**ask).choices[0].message.content is not None
+    finally:
+        engine.close()
+
+
 def test_full_attention_model_is_served(demo_tokenizer):
     dream = build_tiny("dream", demo_tokenizer)
     defaults = dict(max_tokens=8, temperature=0.0, block_size=4)
