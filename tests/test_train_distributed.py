@@ -57,6 +57,18 @@ def test_policy_trainer_step_two_processes(tmp_path, config, kind):
     assert r["max_update"] > 1e-4 and all(abs(x) < 1e3 for x in r["losses"])
 
 
+@pytest.mark.slow
+def test_a_process_left_without_rows_stops_every_process_with_the_reason(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_ddp_2proc.yaml"), "--main_process_port", str(_free_port()),
+           str(Path(__file__).resolve()), "--world", "2", "--out", str(tmp_path / "r.json"), "--empty-rank"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and not (tmp_path / "r.json").exists()
+    assert "process(es) [1] got no training rows" in proc.stderr
+
+
 # ---------------------------------------------------------------- the launched script
 
 
@@ -86,9 +98,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--empty-rank", action="store_true", help="rank 1's only sample has an over-long prompt")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    cfg = RLTrainingConfig(batch_size_lm=1, old_logp="recompute", shuffle=False, beta=0.01)
+    cfg = RLTrainingConfig(batch_size_lm=1, old_logp="recompute", shuffle=False, beta=0.01,
+                           max_prompt_len=8 if args.empty_rank else None)
     accelerator = build_accelerator(gradient_accumulation_steps=1, micro_batch_size=cfg.batch_size_lm)
     assert_world_size(accelerator, args.world)
     torch.manual_seed(0)
@@ -102,6 +116,8 @@ def main() -> None:
     rng = random.Random(0)
     trajs = [fake_block_trajectory(rng, f"t{i}", rng.randint(1, 9), rng.randint(5, 12), 4, 3, 63, 63)
              for i in range(5)]
+    if args.empty_rank:  # dealt round robin, unshuffled: rank 0 gets t0, rank 1 gets t1 (dropped)
+        trajs = [fake_block_trajectory(rng, f"e{i}", 4 + 8 * i, 6, 4, 3, 63, 63) for i in range(2)]
     advantages = {t.sample_id: 1.0 for t in trajs}
     whole = build_view(trajs, advantages, cfg, ModelTraits.from_adapter(adapter))  # one process, every sample
     # old log-probs recomputed before the update: ratio 1, so the loss is -sum(weight * advantage) and the KL 0

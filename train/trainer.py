@@ -338,11 +338,15 @@ class Trainer:
         acc = self.accelerator
         if acc.num_processes == 1:
             return plan
-        counts = torch.tensor([len(m) for m in plan], device=acc.device)
-        most = acc.gather(counts[None]).max(0).values.tolist()
         filler = next((mb for micro in plan for mb in micro), None)
-        if filler is None:
-            raise ValueError(f"process {acc.process_index} has no training rows; use fewer processes")
+        counts = torch.tensor([len(m) for m in plan] + [filler is not None], device=acc.device)
+        every = acc.gather(counts[None])
+        empty = [rank for rank, has_rows in enumerate(every[:, -1].tolist()) if not has_rows]
+        if empty:  # every process raises (the others would wait in the next collective for the empty ones)
+            raise ValueError(f"training step {self.rl_step}: process(es) {empty} got no training rows (every sample "
+                             f"dealt to them was dropped or had nothing to train; see the dropped-trajectories "
+                             f"warning); sample more responses per step or use fewer processes")
+        most = every[:, :-1].max(0).values.tolist()
         zero = replace(filler.with_weights(torch.zeros_like(filler.weights)), filler=True)
         return [micro + [zero] * (int(n) - len(micro)) for micro, n in zip(plan, most)]
 
