@@ -16,6 +16,7 @@ server shut down.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import socket
@@ -311,13 +312,42 @@ def _logprobs(kind: str, result: ChoiceResult, tokenizer: Any) -> dict | None:
     ids = [t for t, _ in result.logprobs]
     pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
     if kind == "chat.completion":
-        return {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
-                            for piece, (_, lp) in zip(pieces, result.logprobs, strict=True)]}
+        return {"content": [{"token": piece, "logprob": lp, "bytes": raw, "top_logprobs": []}
+                            for piece, raw, (_, lp) in zip(pieces, token_bytes(tokenizer, ids), result.logprobs,
+                                                           strict=True)]}
     # where each token's text starts: the running length of the text the tokens before it add (sample.trace_viewer
     # token_pieces: linear in the tokens, where decoding every prefix was quadratic)
     offsets = list(itertools.accumulate((len(piece) for piece in token_pieces(ids, tokenizer)[:-1]), initial=0))
     return {"tokens": pieces, "token_logprobs": [lp for _, lp in result.logprobs], "top_logprobs": None,
             "text_offset": offsets[:len(ids)]}
+
+
+def token_bytes(tokenizer: Any, ids: list[int]) -> list[list[int]]:
+    """Each token's own bytes (OpenAI's ``bytes``: a client joins them to rebuild characters that span tokens). A
+    byte-level BPE token (GPT-2, Qwen, Llama 3, SmolLM2) spells its bytes one character each, through GPT-2's
+    byte-to-character table, so a token holding part of a UTF-8 character gives those bytes, where decoding it
+    alone gives U+FFFD; special tokens and other tokenizers give the UTF-8 of the decoded token."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if type(decoder).__name__ != "ByteLevel":
+        return [list(tokenizer.decode([t], skip_special_tokens=False).encode()) for t in ids]
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    table = _byte_of_char()
+    out = []
+    for t, spelled in zip(ids, tokenizer.convert_ids_to_tokens(ids), strict=True):
+        if t in special or spelled is None or any(c not in table for c in spelled):  # an added token: its text
+            out.append(list(tokenizer.decode([t], skip_special_tokens=False).encode()))
+        else:
+            out.append([table[c] for c in spelled])
+    return out
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable Latin-1 bytes ('!'..'~', '\xa1'..'\xac', '\xae'..'\xff')
+    stand for themselves, every other byte for chr(256 + its rank among those others)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in set(printable)]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def _replay(result: ChoiceResult) -> dict:

@@ -207,6 +207,21 @@ def test_logprobs_are_the_samplers_record_of_each_token(server, sdar):
         client.completions.create(model="tiny", prompt="hi", logprobs=3)
 
 
+def test_logprob_bytes_rebuild_characters_that_span_tokens(demo_tokenizer):
+    """OpenAI's ``bytes`` of a chat log-prob: a token holding part of a UTF-8 character carries those bytes (decoded
+    alone it is U+FFFD), so the tokens' bytes join to the text; a special token gives its text."""
+    from jobs.serve import token_bytes
+
+    text = "a€ 中 é"
+    ids = demo_tokenizer.encode(text, add_special_tokens=False)
+    raw = token_bytes(demo_tokenizer, ids)
+    assert bytes(b for piece in raw for b in piece) == text.encode()
+    partial = [piece for t, piece in zip(ids, raw) if demo_tokenizer.decode([t]) == "\ufffd"]
+    assert partial and all(piece != list("\ufffd".encode()) for piece in partial)
+    eos = demo_tokenizer.eos_token_id
+    assert token_bytes(demo_tokenizer, [eos]) == [list(demo_tokenizer.decode([eos]).encode())]
+
+
 def test_bad_requests_get_4xx_naming_the_field(server):
     client, url, _ = server
     with pytest.raises(openai.NotFoundError, match="model"):
