@@ -17,7 +17,6 @@ Run directory ``{output_dir}/{project}/``: ``config.yaml``, ``metrics.jsonl`` (o
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
@@ -54,6 +53,17 @@ def turn_end_id(adapter: Adapter) -> int:
     turn_end = family_spec(adapter.model_base).turn_end
     vocab = adapter.tokenizer.get_vocab()
     return int(vocab[turn_end]) if turn_end in vocab else int(adapter.eos_ids[0])
+
+
+def step_bounds(n: int, per_process: int | None, world: int) -> list[tuple[int, int]]:
+    """(start, end) of each optimiser step's samples in an epoch of ``n``: ``per_process`` for each of ``world``
+    processes (None: the whole epoch in one step); a last step too small to give every process a sample joins the
+    step before it (a process with nothing to train would stop the run)."""
+    per = per_process * world if per_process else n
+    bounds = [(i, min(i + per, n)) for i in range(0, n, per)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < world:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
 
 
 def builtin_rows(name: str, n: int, seed: int, difficulty: int) -> list[dict]:
@@ -135,7 +145,8 @@ def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajec
     specials = [t for t in tok.all_special_tokens if t not in (tok.mask_token,)]
     out = []
     for i, row in enumerate(rows):
-        if "question" in row:  # built-in task: the prompt the RL and eval jobs render
+        if "question" in row and "prompt" not in row and "messages" not in row:  # a built-in task's row: the
+            # prompt the RL and eval jobs render (a row with its own prompt keeps it, whatever else it carries)
             prompt = prompt_ids(adapter, row, "math")
             text, steps = row["response"], None
         elif "messages" in row:
@@ -146,6 +157,9 @@ def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajec
             prompt = tok.encode(row["prompt"], add_special_tokens=False) if templated else \
                 adapter.encode_chat([{"role": "user", "content": row["prompt"]}])
             text, steps = row["response"], row.get("step_map")
+        closing = tok.convert_ids_to_tokens(end)
+        if closing and text.rstrip().endswith(closing):  # closed in the text: the turn end itself, not its spelling
+            text = text.rstrip()[:-len(closing)]
         resp = adapter.encode_text(text)
         if steps is not None and min(steps, default=1) == 0:  # snapshot indices from 0 (Dream / LLaDA samplers)
             steps = [s + 1 for s in steps]
@@ -191,12 +205,14 @@ class SFTJob:
         self.adapter = load_policy(cfg.model, cfg.lora, self.last / "policy" if resume else None,  # LoRA: lora.py
                                    default_device())
         self.samples = self._samples()
-        per_step = t.samples_per_step or len(self.samples)
-        self.steps_per_epoch = math.ceil(len(self.samples) / per_step)
+        self.bounds = step_bounds(len(self.samples), t.samples_per_step, self.acc.num_processes)
+        self.steps_per_epoch = len(self.bounds)
         self.total = t.max_steps or self.steps_per_epoch * t.num_train_epochs
         if cfg.optimizer.name != "adamw":
             raise RunDirError(f"optimizer.name {cfg.optimizer.name!r} is not supported")
-        self.trainer = SFTTrainer(self.adapter, replace(t, samples_per_step=None), cfg.optimizer.params,
+        # the job deals the epochs and steps (one pass of the trainer per step: num_train_epochs is not its too)
+        self.trainer = SFTTrainer(self.adapter, replace(t, samples_per_step=None, num_train_epochs=1),
+                                  cfg.optimizer.params,
                                   cfg.lr_scheduler, total_steps=self.total, accelerator=self.acc)
         first = 0
         if resume:
@@ -245,8 +261,8 @@ class SFTJob:
         order = list(range(len(self.samples)))
         if t.shuffle:
             random.Random(f"sft-{t.seed}-{epoch}").shuffle(order)
-        per = t.samples_per_step or len(self.samples)
-        return [self.samples[i] for i in order[k * per:(k + 1) * per]]
+        start, end = self.bounds[k]
+        return [self.samples[i] for i in order[start:end]]
 
     def run(self, first: int) -> Path:
         t, out = self.cfg.training, self.root / "ckpt" / self.cfg.model.optimized_name

@@ -50,11 +50,43 @@ def test_rows_become_samples_closed_by_the_turn_end(tiny, tmp_path):
     assert [s.response_ids[-1] for s in samples] == [end] * 3
     assert samples[0].response_ids == adapter.encode_text("4") + [end]
     assert samples[0].prompt_ids == adapter.encode_chat([{"role": "user", "content": "What is 2+2?"}])
-    assert samples[1].response_ids.count(end) == 1  # a response already closed is not closed twice
+    # a response closed in its text ends with the turn end itself, not with its spelling in pieces
+    assert samples[1].response_ids == adapter.encode_text("Hello") + [end]
     tok = adapter.tokenizer
     assert samples[2].prompt_ids == tok.encode(rows[2]["prompt"], add_special_tokens=False)  # pre-templated
     assert samples[2].step_map == list(range(1, n + 2))  # 0-based steps shifted; the appended turn end decodes last
     assert samples[0].step_map == list(range(1, len(samples[0].response_ids) + 1))  # no step map: left to right
+
+
+def test_a_row_with_its_own_prompt_keeps_it_whatever_else_it_carries(tiny):
+    adapter = tiny("sdar")
+    rows = [{"question": "id-17", "prompt": "Say hi", "response": "hi"},
+            {"question": "What is 2 + 3?", "response": "5"}]  # a built-in task's row: the math prompt
+    own, task = build_samples(rows, adapter, "d")
+    assert own.prompt_ids == adapter.encode_chat([{"role": "user", "content": "Say hi"}])
+    assert adapter.tokenizer.decode(task.prompt_ids).count("What is 2 + 3?") == 1
+    assert "id-17" not in adapter.tokenizer.decode(own.prompt_ids)
+
+
+def test_steps_deal_samples_per_process_and_never_leave_a_process_empty():
+    from jobs.sft import step_bounds
+
+    assert step_bounds(64, 16, 1) == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert step_bounds(64, 16, 2) == [(0, 32), (32, 64)]  # samples_per_step is per process
+    assert step_bounds(65, 16, 2) == [(0, 32), (32, 65)]  # one left over: it joins the last step
+    assert step_bounds(66, 16, 2) == [(0, 32), (32, 64), (64, 66)]  # one for each process: a step of its own
+    assert step_bounds(10, None, 2) == [(0, 10)]
+
+
+def test_epochs_are_passes_over_the_data_with_one_schedule(tmp_path, ckpt):
+    """num_train_epochs=2: twice the steps, each one optimiser step, the learning rate decaying over all of them
+    (not each step repeated per epoch, which ran the schedule down to 0 halfway)."""
+    run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 0, "training.num_train_epochs": 2,
+                                                    "dataset.builtin_size": 16, "lr_scheduler.scheduler": "linear"}),
+                        "sft"), progress=False)
+    lines = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [line["lr"] for line in lines]
+    assert len(lines) == 4 and all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] > 0
 
 
 @pytest.mark.parametrize("method", ["semi-ar", "trace"])
