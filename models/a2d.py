@@ -16,7 +16,8 @@ no q/k/v biases and no q/k norm; Qwen2 has biases; Qwen3 has the norm: the famil
   the unshifted prediction.
 
 The mask token (``--mask-token``, default ``<|mask|>``) is added to the tokenizer as a new special token (never
-the EOS or pad); its embedding row (and LM-head row, when untied) is the mean of the existing rows, a neutral
+the EOS or pad); its embedding row (and LM-head row, when untied) is the mean of the rows of the tokenizer's
+tokens (not of the unused rows a padded vocabulary keeps after them, one of which the mask id takes), a neutral
 input that no AR statistics single out (dllm's A2D recipes and Dream start from a fresh token the same way). The
 chat template and every other tokenizer file are kept. ``config.json`` records the conversion under ``a2d``.
 """
@@ -119,15 +120,19 @@ def target_config(ar: Any, to: str, vocab: int, mask_id: int, tokenizer: Any, bl
     return SDARConfig(block_size=block_size, **common)
 
 
-def converted_state(ar_model: Any, vocab: int, config: Any) -> dict[str, torch.Tensor]:
+def converted_state(ar_model: Any, vocab: int, config: Any, mask_id: int) -> dict[str, torch.Tensor]:
     """The AR weights under the family's names (the same Qwen-style names), embedding and head grown to ``vocab``
-    rows (new rows: the mean of the existing ones), zero q/k/v biases where the family has biases and the source
-    does not."""
+    rows, the mask token's row (and any new one) the mean of the rows of the tokens before it: the tokenizer's own,
+    not the unused rows a padded vocabulary (Qwen2.5, Qwen3) holds after them, where the mask id can land without
+    the matrix growing; zero q/k/v biases where the family has biases and the source does not."""
     state = {k: v.detach().clone() for k, v in ar_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
-        if key in state and state[key].shape[0] < vocab:
+        if key in state:
             old = state[key]
-            state[key] = torch.cat([old, old.mean(0, keepdim=True).expand(vocab - old.shape[0], -1)])
+            mean = old[:mask_id].mean(0, keepdim=True)
+            grown = torch.cat([old, mean.expand(vocab - old.shape[0], -1)]) if old.shape[0] < vocab else old
+            grown[mask_id] = mean[0]
+            state[key] = grown
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:  # a tied source saved without a head
@@ -147,12 +152,12 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int = 4, m
     vocab = max(ar.vocab_size, len(tokenizer))
     config = target_config(ar, to, vocab, mask_id, tokenizer, block_size)
     config.a2d = {"source": str(source), "gguf_file": gguf_file, "source_model_type": ar.model_type, "target": to,
-                  "mask_token": mask_token, "mask_row_init": "mean of the existing embedding rows",
+                  "mask_token": mask_token, "mask_row_init": "mean of the embedding rows of the tokens before it",
                   "shifted_logits": to == "dream", "block_size": block_size if to == "sdar" else None}
     from models.registry import family_spec
 
     model = family_spec(to).model_class(config)
-    state = converted_state(ar_model, vocab, config)
+    state = converted_state(ar_model, vocab, config, mask_id)
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     for key in expected - state.keys():
         if key.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):

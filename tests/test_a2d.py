@@ -19,15 +19,16 @@ SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
              max_position_embeddings=128, rms_norm_eps=1e-6)
 
 
-def _ar_checkpoint(path, kind: str, tokenizer, tied: bool = False, positions: int = SHAPE["max_position_embeddings"]):
+def _ar_checkpoint(path, kind: str, tokenizer, tied: bool = False, positions: int = SHAPE["max_position_embeddings"],
+                   padded_vocab: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     extra = {"head_dim": 16} if kind == "qwen3" else {}  # Qwen3's head_dim need not be hidden / heads
-    config = classes[kind][0](vocab_size=len(tokenizer), tie_word_embeddings=tied, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id, **{**SHAPE, "max_position_embeddings": positions},
-                              **extra)
+    config = classes[kind][0](vocab_size=len(tokenizer) + padded_vocab, tie_word_embeddings=tied,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                              **{**SHAPE, "max_position_embeddings": positions}, **extra)
     torch.manual_seed(0)
     model = classes[kind][1](config)
     with torch.no_grad():
@@ -78,6 +79,23 @@ def test_mask_row_chat_template_and_tokenizer_survive(tmp_path, ar_tokenizer):
     ours = load_model({"pretrained_model": str(out), "model_base": "dream", "dtype": "float32"}).model
     emb = ours.get_input_embeddings().weight
     torch.testing.assert_close(emb[-1], emb[:-1].mean(0), atol=1e-6, rtol=0)  # the mask row: the mean row
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_padded_vocabulary_gives_the_mask_the_mean_row_not_a_padding_row(tmp_path, ar_tokenizer, tied):
+    """Qwen2.5 / Qwen3 hold unused rows after their tokens (vocab_size 151,936 for ~151,665 tokens): the new mask
+    id lands on one of them, the matrices do not grow, and the row must still become the mean of the real ones."""
+    src = _ar_checkpoint(tmp_path / "ar", "qwen2", ar_tokenizer, tied, padded_vocab=8)
+    out = convert(src, "sdar", tmp_path / "sdar")
+    ar = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    ours = load_model({"pretrained_model": str(out), "model_base": "sdar", "dtype": "float32"})
+    mask, n = ours.mask_id, len(ar_tokenizer)
+    assert mask == n and ours.model.get_input_embeddings().weight.shape[0] == n + 8  # inside the padding
+    for mine, theirs in ((ours.model.get_input_embeddings(), ar.get_input_embeddings()),
+                         (ours.model.get_output_embeddings(), ar.get_output_embeddings())):
+        torch.testing.assert_close(mine.weight[mask], theirs.weight[:n].mean(0), atol=1e-6, rtol=0)
+        assert torch.equal(mine.weight[:n], theirs.weight[:n])  # every token's row as it was
+        assert torch.equal(mine.weight[n + 1:], theirs.weight[n + 1:])  # the rest of the padding untouched
 
 
 def test_block_variant_loads_samples_and_trains(tmp_path, ar_tokenizer):
