@@ -166,8 +166,8 @@ def select_transfer(draw: Draw, candidate: Tensor, n_transfer: Tensor, params: S
     * dynamic: every candidate with score > dynamic_threshold when there are at least n_t of them, else the
       top n_t (the block-model rule, used for full-attention models too);
     * sequential: the n_t left-most candidates;
-    * entropy_bounded: candidates by ascending entropy, the shortest prefix whose cumulative entropy reaches
-      eb_threshold, at least one (n_t unused).
+    * entropy_bounded: candidates by ascending entropy while their cumulative entropy stays below eb_threshold,
+      at least one (n_t unused; the reference's JetEngine rule).
     With ``alg_temp > 0`` the ranked (static / dynamic fallback) positions are sampled from
     softmax(score / alg_temp) without replacement (Gumbel top-k) instead of taken greedily.
     """
@@ -199,11 +199,14 @@ def top_n(key: Tensor, candidate: Tensor, n: Tensor) -> Tensor:
 
 
 def _entropy_bounded_count(entropy: Tensor, candidate: Tensor, threshold: float) -> Tensor:
-    """Per row: the length of the shortest ascending-entropy prefix whose cumulative entropy reaches threshold."""
+    """Per row: how many of the lowest-entropy candidates keep their cumulative entropy below ``threshold``, at
+    least one (the reference's rule, Gen-Verse/dLLM-RL sample/jetengine_ext/engine/scheduler.py:
+    ``searchsorted(cumsum, eb_threshold, right=False)``, 0 raised to 1: the candidate whose entropy crosses the
+    bound waits for a later step)."""
     ent = torch.where(candidate, entropy, float("inf")).sort(dim=1).values
     cum = torch.where(ent.isfinite(), ent, 0.0).cumsum(1)
     below = ((cum < threshold) & ent.isfinite()).sum(1)
-    return torch.minimum(below + 1, candidate.sum(1))
+    return torch.minimum(below.clamp(min=1), candidate.sum(1))
 
 
 def _gumbel(like: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -52,11 +52,13 @@ def test_sequential_goes_left_to_right():
     assert _select("sequential", CONF, [[0, 1, 1, 1], [1, 1, 1, 1]], [2, 3]) == [[0, 1, 1, 0], [1, 1, 1, 0]]
 
 
-def test_entropy_bounded_takes_the_shortest_prefix_reaching_the_bound():
-    ent = [[0.3, 0.1, 0.2, 0.05], [1.0, 2.0, 3.0, 0.5]]
-    got = _select("entropy_bounded", CONF, [[1, 1, 1, 1], [1, 1, 1, 1]], [1, 1], entropy=ent, eb_threshold=0.35)
-    # row 0: 0.05, 0.1, 0.2 -> cumulative 0.35 reached at the third; row 1: 0.5 alone already reaches it
-    assert got == [[0, 1, 1, 1], [0, 0, 0, 1]]
+def test_entropy_bounded_takes_the_lowest_entropies_while_their_sum_stays_below_the_bound():
+    ent = [[0.3, 0.1, 0.2, 0.05], [1.0, 2.0, 3.0, 0.5], [0.5, 0.1, 0.9, 0.2]]
+    got = _select("entropy_bounded", CONF + [[0.5] * 4], [[1, 1, 1, 1]] * 3, [1, 1, 1], entropy=ent,
+                  eb_threshold=0.35)
+    # row 0: running 0.05, 0.15, 0.35 (reaches the bound: waits); row 1: 0.5 alone is over it: one, the lowest;
+    # row 2 (sorted 0.1, 0.2, 0.5, 0.9 -> 0.1, 0.3, 0.8): the two lowest (the reference's searchsorted count)
+    assert got == [[0, 1, 0, 1], [0, 0, 0, 1], [0, 1, 0, 1]]
     all_low = _select("entropy_bounded", CONF, [[1, 0, 1, 0], [1, 1, 1, 1]], [1, 1],
                       entropy=[[0.0, 0.0, 0.0, 0.0], [0.0] * 4], eb_threshold=0.35)
     assert all_low == [[1, 0, 1, 0], [1, 1, 1, 1]]  # never reaches the bound: every candidate

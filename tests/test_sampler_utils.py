@@ -59,12 +59,12 @@ def expected_transfer(strategy: str, masked: list[int], conf: dict, ent: dict, n
         return above if len(above) >= n else set(by_conf[:n])
     by_ent = sorted(masked, key=lambda i: (ent[i], i))
     total, out = 0.0, []
-    for i in by_ent:
-        out.append(i)
+    for i in by_ent:  # the lowest entropies while their running total stays below the bound, at least one
         total += ent[i]
         if total >= eb_threshold:
             break
-    return set(out)
+        out.append(i)
+    return set(out or by_ent[:1])
 
 
 NEAR_TIE = 1e-5  # batched and one-at-a-time forwards round differently: scores closer than this are ties
