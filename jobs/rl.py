@@ -290,7 +290,7 @@ class RLJob:
         model = model.to(next(self.adapter.model.parameters()).device)
         adapter = dataclasses.replace(self.adapter, model=model)
         params = replace_settings(cfg.optimizer.params, learning_rate=cfg.optimizer.params.value_learning_rate)
-        steps = math.ceil(cfg.experiment.total_step / cfg.experiment.train_value_every) * cfg.training.num_train_epochs
+        steps = self._optimizer_steps(every=cfg.experiment.train_value_every)  # its steps split as the policy's
         # An Accelerator drives one DeepSpeed engine (its backward and step go to the engine it prepared last):
         # under DeepSpeed the value model gets an Accelerator of its own, with the same launch state and config.
         acc = self._accelerator() if self.acc.distributed_type == DistributedType.DEEPSPEED else self.acc
@@ -358,14 +358,15 @@ class RLJob:
                               "lower num_task_per_step or use a bigger dataset")
         return list(rows)
 
-    def _optimizer_steps(self) -> int:
-        """Optimiser steps of the whole run (for decaying LR schedules): one per RL step unless samples_per_step
-        splits a step's samples."""
+    def _optimizer_steps(self, every: int = 1) -> int:
+        """Optimiser steps of the whole run (for decaying LR schedules) of a model trained every ``every`` RL steps
+        (the value model: ``train_value_every``): one per training RL step unless samples_per_step splits a step's
+        samples."""
         t = self.cfg.training
         per_step = self.cfg.rollout.num_task_per_step * self.cfg.rollout.num_response_per_task
         per_process = math.ceil(per_step / self.acc.num_processes)
         splits = math.ceil(per_process / t.samples_per_step) if t.samples_per_step else 1
-        return self.cfg.experiment.total_step * splits * t.num_train_epochs
+        return math.ceil(self.cfg.experiment.total_step / every) * splits * t.num_train_epochs
 
     # ------------------------------------------------------------ the loop
 
