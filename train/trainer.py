@@ -150,12 +150,27 @@ class Trainer:
                             self.whole_groups, generator)
         view_cfg = replace_settings(self.cfg, seed=self.cfg.seed + 7919 * self.rl_step + acc.process_index
                                     + 104_729 * epoch)
-        batches = self._normalised_over_processes([build_view(step, advantages, view_cfg, self.traits)
-                                                   for step in steps])
+        batches = [build_view(step, advantages, view_cfg, self.traits) for step in steps]
         self.dropped = [d for b in batches for d in b.dropped]
+        if acc.num_processes > 1 and not any(b.num_rows for b in batches):
+            # none of this process's samples gives a row (fewer kept samples than processes, or all dropped): it
+            # trains a zero-weight copy of another's, so that the collective forwards and reductions stay in step
+            batches[0] = self._filler_view(trajectories, advantages, view_cfg) or batches[0]
+        batches = self._normalised_over_processes(batches)
         if self.dropped:
             log.warning("dropped %d trajectories: %s", len(self.dropped), self.dropped[:5])
         return batches
+
+    def _filler_view(self, trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
+                     cfg: Any) -> TrainBatch | None:
+        """A zero-weight view (counted as nothing) of the step's first sample, or prompt group, that gives rows."""
+        for first in trajectories:
+            unit = [t for t in trajectories if t.group_id == first.group_id] if self.whole_groups else [first]
+            view = build_view(unit, advantages, cfg, self.traits)
+            if view.num_rows:
+                return replace(view.with_weights(torch.zeros_like(view.weights)), filler=True, dropped=[],
+                               counts=dict.fromkeys(view.counts, 0.0))
+        return None
 
     def _normalised_over_processes(self, batches: list[TrainBatch]) -> list[TrainBatch]:
         """Every process's optimiser-step batches weighted as the whole step's batch (``normalised_over_processes``:
@@ -319,7 +334,9 @@ class Trainer:
         acc = self.accelerator
         if acc.num_processes == 1:
             return total
-        reduced = acc.reduce(torch.tensor([total[k] for k in keys], device=acc.device), reduction="sum").tolist()
+        # float64 on every process (a process that trained only fillers has integer zeros)
+        values = torch.tensor([float(total[k]) for k in keys], dtype=torch.float64, device=acc.device)
+        reduced = acc.reduce(values, reduction="sum").tolist()
         total = dict(zip(keys, reduced))
         for k in LOSS_KEYS:
             if k in total:
