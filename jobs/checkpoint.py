@@ -96,6 +96,14 @@ def load_checkpoint(trainer: Any, ckpt: Path) -> dict:
     return loop
 
 
+def remove_checkpoint(ckpt: Path) -> None:
+    """Delete a checkpoint folder, its DONE marker first: a kill midway leaves a checkpoint that says it is
+    incomplete (resume falls back past it), never one that says complete with files gone."""
+    (ckpt / "DONE").unlink(missing_ok=True)
+    if ckpt.is_dir():
+        shutil.rmtree(ckpt)
+
+
 def checkpoint_problem(ckpt: Path) -> str | None:
     """Why checkpoint ``ckpt`` cannot be resumed (a file missing, truncated or unreadable), or None.
 

@@ -52,6 +52,7 @@ from jobs.checkpoint import (
     empty_run_dir,
     is_complete,
     load_checkpoint,
+    remove_checkpoint,
     save_checkpoint,
 )
 from jobs.config import config_text
@@ -126,13 +127,14 @@ class RunDir:
         saved = self.checkpoints()
         if keep and saved and checkpoint_problem(self.step(saved[-1]) / "ckpt") is None:
             for i in self.checkpoints()[:-keep]:
-                shutil.rmtree(self.step(i) / "ckpt")
+                remove_checkpoint(self.step(i) / "ckpt")
 
     def discard_after(self, i: int) -> None:
         """Remove every step after ``i`` (complete or partial): they are redone."""
         for p in self.root.glob(f"{STEP_PREFIX}*"):
             n = p.name[len(STEP_PREFIX):].removesuffix(PARTIAL)
             if n.isdigit() and (int(n) > i or p.name.endswith(PARTIAL)):
+                remove_checkpoint(p / "ckpt")
                 shutil.rmtree(p)
 
     @contextmanager

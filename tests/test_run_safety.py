@@ -145,6 +145,28 @@ def test_a_moved_run_directory_resumes_and_old_checkpoints_are_pruned(tmp_path, 
     assert _link_target(run) == (run / "step_4" / "ckpt" / "policy").resolve()
 
 
+def test_a_kill_while_pruning_leaves_a_checkpoint_resume_skips(tmp_path, model, rl, monkeypatch):
+    """Pruning deletes a checkpoint's DONE marker first: killed midway, the checkpoint says it is incomplete (a
+    resume falls back past it) instead of complete with its optimizer state gone."""
+    import jobs.rl as rl_module
+    from jobs.checkpoint import checkpoint_problem
+
+    rl(tmp_path, model, **{"experiment.total_step": 2})
+    ckpt = tmp_path / "run" / "step_1" / "ckpt"
+    assert checkpoint_problem(ckpt) is None
+
+    def killed_midway(path, *args, **kwargs):
+        gone = next(p for p in sorted(Path(path).rglob("*")) if p.is_file() and p.name != "DONE")
+        gone.unlink()  # one file of the checkpoint gone, then the kill
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rl_module.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr("jobs.checkpoint.shutil.rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        rl_module.RunDir(tmp_path / "run").prune_checkpoints(1)
+    assert checkpoint_problem(ckpt) is not None and checkpoint_problem(tmp_path / "run" / "step_2" / "ckpt") is None
+
+
 # ------------------------------------------------------------------------------------------ degenerate settings
 
 
