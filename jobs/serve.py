@@ -327,18 +327,16 @@ def token_bytes(tokenizer: Any, ids: list[int]) -> list[list[int]]:
     byte-level BPE token (GPT-2, Qwen, Llama 3, SmolLM2) spells its bytes one character each, through GPT-2's
     byte-to-character table, so a token holding part of a UTF-8 character gives those bytes, where decoding it
     alone gives U+FFFD; special tokens and other tokenizers give the UTF-8 of the decoded token."""
+    def text_bytes(t: int) -> list[int]:
+        return list(tokenizer.decode([t], skip_special_tokens=False).encode())
+
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     if type(decoder).__name__ != "ByteLevel":
-        return [list(tokenizer.decode([t], skip_special_tokens=False).encode()) for t in ids]
-    special = set(getattr(tokenizer, "all_special_ids", ()))
-    table = _byte_of_char()
-    out = []
-    for t, spelled in zip(ids, tokenizer.convert_ids_to_tokens(ids), strict=True):
-        if t in special or spelled is None or any(c not in table for c in spelled):  # an added token: its text
-            out.append(list(tokenizer.decode([t], skip_special_tokens=False).encode()))
-        else:
-            out.append([table[c] for c in spelled])
-    return out
+        return [text_bytes(t) for t in ids]
+    special, table = set(getattr(tokenizer, "all_special_ids", ())), _byte_of_char()
+    return [text_bytes(t) if t in special or spelled is None or any(c not in table for c in spelled)  # added token
+            else [table[c] for c in spelled] for t, spelled in zip(ids, tokenizer.convert_ids_to_tokens(ids),
+                                                                   strict=True)]
 
 
 @functools.cache
