@@ -374,8 +374,8 @@ class RLJob:
 
     def run_steps(self, first: int) -> list[dict]:
         cfg = self.cfg
-        if first > 1:  # a resumed run: its outputs may lag behind its steps (a kill after a step's rename)
-            self._finalise()
+        if not cfg.experiment.start_from_scratch:  # a resumed run: its outputs may lag behind its steps (a kill
+            self._finalise()  # after a step's rename) or list steps it discarded (no checkpoint: from step 1 again)
         if first == 1 and cfg.experiment.eval_every:
             with self.run.staging(0, self.main) as d:
                 metrics = {"step": 0, **self._evaluate(d)}

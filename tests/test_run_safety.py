@@ -145,6 +145,27 @@ def test_a_moved_run_directory_resumes_and_old_checkpoints_are_pruned(tmp_path, 
     assert _link_target(run) == (run / "step_4" / "ckpt" / "policy").resolve()
 
 
+def test_a_resume_that_starts_again_from_step_1_drops_the_discarded_steps_from_the_outputs(tmp_path, model, rl,
+                                                                                          monkeypatch):
+    """No checkpoint to resume from: the steps are discarded and the run starts again. Killed before its first new
+    step completes, its metrics.jsonl and curves must not list the discarded steps."""
+    import jobs.rl as rl_module
+
+    rl(tmp_path, model, **{"experiment.total_step": 2})
+    run = tmp_path / "run"
+    for i in (1, 2):
+        shutil.rmtree(run / f"step_{i}" / "ckpt")
+    assert len(_metrics(run)) == 2
+
+    def killed(self, step, d):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rl_module.RLJob, "one_step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rl(tmp_path, model, **{"experiment.total_step": 2, "experiment.start_from_scratch": "false"})
+    assert _metrics(run) == [] and not (run / "ckpt" / "optimized").exists()
+
+
 def test_a_kill_while_pruning_leaves_a_checkpoint_resume_skips(tmp_path, model, rl, monkeypatch):
     """Pruning deletes a checkpoint's DONE marker first: killed midway, the checkpoint says it is incomplete (a
     resume falls back past it) instead of complete with its optimizer state gone."""
