@@ -136,7 +136,7 @@ class DiffusionLM(LM):
     def _left_truncated(self, ids: list[int], room: int) -> list[int]:
         """``ids`` without its oldest tokens where it and ``room`` more positions exceed the model's position
         limit (lm-eval's own models cut a long context from the left alike); each cut is logged."""
-        limit = getattr(self.adapter.model.config, "max_position_embeddings", None)
+        limit = self.adapter.position_limit
         if limit is None or len(ids) + room <= limit:
             return ids
         keep = max(limit - room, 1)

@@ -194,7 +194,7 @@ class ServeEngine:
                  max_prompt_tokens: int | None = None, driver_thread: bool = True):
         self.adapter, self.defaults = adapter, defaults
         self.max_batch, self.max_queue, self.max_prompt_tokens = max_batch, max_queue, max_prompt_tokens
-        self.limit = getattr(adapter.model.config, "max_position_embeddings", None)
+        self.limit = adapter.position_limit
         self._cond = threading.Condition()
         self._groups: dict[tuple, _Group] = {}
         self._choices: dict[int, Choice] = {}  # live sequences by engine sequence id

@@ -114,6 +114,12 @@ class Adapter:
     def backbone(self):
         return self.model.backbone
 
+    @property
+    def position_limit(self) -> int | None:
+        """The positions the model accepts (``max_position_embeddings``; LLaDA's config maps its
+        ``max_sequence_length`` to that name), or None when the config sets none."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def hidden(self, input_ids: Tensor, position_ids: Tensor, layout: AttentionLayout,
                cache: KVCache | None = None, store_kv: bool | int = False) -> Tensor:
         """Final normalised hidden states [B, N, H] for the given layout (and cache)."""

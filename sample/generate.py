@@ -54,7 +54,7 @@ def generate(adapter: Adapter, prompts: Sequence[Prompt] | str, params: Sampling
         prompts = [prompts]
     ids = [encode_prompt(adapter, p) for p in prompts]
     stop_ids = params.stop_ids(adapter.tokenizer, tuple(adapter.eos_ids), tuple(adapter.stop_ids))
-    limit = getattr(adapter.model.config, "max_position_embeddings", None)
+    limit = adapter.position_limit
     bar = tqdm(total=len(ids), desc="sampling", unit="prompt", disable=not progress, leave=False)
     start = time.perf_counter()
     sampler = make_sampler(adapter, params, stop_ids, limit, seeded_generator(adapter, params.seed))

@@ -130,7 +130,7 @@ class SamplingParams(Settings):
             if self.steps is not None and self.steps < n_blocks:
                 raise SettingError("steps", f"steps ({self.steps}) is fewer than the {n_blocks} blocks of "
                                             f"{block} tokens in max_tokens {self.max_tokens}: every block needs a step")
-        limit = getattr(adapter.model.config, "max_position_embeddings", None)
+        limit = adapter.position_limit
         if limit is not None and block > limit:
             raise SettingError("block_size", f"block_size ({block}) exceeds the model's {limit} positions")
         for text in self.stop:
