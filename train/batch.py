@@ -85,3 +85,9 @@ class TrainBatch:
 
     def with_weights(self, weights: Tensor) -> TrainBatch:
         return replace(self, weights=weights)
+
+    def as_filler(self) -> TrainBatch:
+        """A zero-weight copy that counts as nothing (no tokens to normalise by, nothing dropped): it only keeps a
+        process in step with the others' collective forwards and reductions."""
+        return replace(self, weights=torch.zeros_like(self.weights), filler=True, dropped=[],
+                       counts=dict.fromkeys(self.counts, 0.0))

@@ -23,7 +23,6 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,8 +167,7 @@ class Trainer:
             unit = [t for t in trajectories if t.group_id == first.group_id] if self.whole_groups else [first]
             view = build_view(unit, advantages, cfg, self.traits)
             if view.num_rows:
-                return replace(view.with_weights(torch.zeros_like(view.weights)), filler=True, dropped=[],
-                               counts=dict.fromkeys(view.counts, 0.0))
+                return view.as_filler()
         return None
 
     def _normalised_over_processes(self, batches: list[TrainBatch]) -> list[TrainBatch]:
@@ -364,7 +362,7 @@ class Trainer:
                              f"dealt to them was dropped or had nothing to train; see the dropped-trajectories "
                              f"warning); sample more responses per step or use fewer processes")
         most = every[:, :-1].max(0).values.tolist()
-        zero = replace(filler.with_weights(torch.zeros_like(filler.weights)), filler=True)
+        zero = filler.as_filler()
         return [micro + [zero] * (int(n) - len(micro)) for micro, n in zip(plan, most)]
 
     def _generator(self, salt: int) -> torch.Generator:
