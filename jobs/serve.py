@@ -214,7 +214,7 @@ async def _serve(engine: ServeEngine, http: Request, body: _Body, prompts: list[
     head = {"id": req.id, "created": int(time.time()), "model": model_name}
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_stream(engine, http, req, kind, head, usage), media_type="text/event-stream")
+        return _EngineStream(engine, req, _stream(engine, http, req, kind, head, usage))
     try:
         results = await _collect(http, req)
     finally:
@@ -277,8 +277,22 @@ async def _stream(engine: ServeEngine, http: Request, req: EngineRequest, kind: 
         yield "data: [DONE]\n\n"
     except RequestError as err:
         yield _sse({"error": {"message": str(err), "type": "server_error", "param": None, "code": None}})
-    finally:
-        engine.cancel(req)
+
+
+class _EngineStream(StreamingResponse):
+    """An SSE response that cancels its engine request when the response ends, however it ends. The event generator
+    cannot do it alone: a client gone before the first send (the send fails) leaves it unstarted, and an unstarted
+    generator runs no cleanup."""
+
+    def __init__(self, engine: ServeEngine, req: EngineRequest, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream")
+        self._engine, self._req = engine, req
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine.cancel(self._req)
 
 
 def _delta(kind: str, index: int, delta: dict, result: ChoiceResult | None = None, tokenizer: Any = None) -> dict:

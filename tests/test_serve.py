@@ -15,6 +15,7 @@ import httpx2 as httpx
 import openai
 import pytest
 import torch
+from starlette.requests import ClientDisconnect
 
 from jobs.serve import background_server, build_app
 from jobs.serve_engine import ServeEngine
@@ -430,3 +431,41 @@ def test_serve_py_answers_then_stops_on_a_signal_and_ends_open_streams(tmp_path,
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_client_gone_before_its_stream_starts_is_cancelled(sdar):
+    """A client that leaves before the first byte of its stream (the server's first send fails) never starts the
+    event generator, whose own cleanup then never runs: the response itself cancels the request."""
+    import asyncio
+
+    never_stops = SamplingParams(**DEFAULTS, ignore_eos=True, stop_token_ids=[])
+    engine = ServeEngine(sdar, never_stops, max_batch=1, max_queue=0)
+    app = build_app(engine, "tiny")
+    body = json.dumps({"model": "tiny", "stream": True, "max_tokens": 3000,
+                       "messages": [{"role": "user", "content": QUESTIONS[5]}]}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000)}
+    sent: list[str] = []
+    cancelled: list[str] = []
+    engine_cancel = engine.cancel
+    engine.cancel = lambda req: (cancelled.append(req.id), engine_cancel(req))  # the request still runs meanwhile
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):  # the socket is gone: the first send fails as uvicorn's does
+        sent.append(message["type"])
+        raise OSError("connection reset by peer")
+
+    try:
+        with pytest.raises(ClientDisconnect):  # what reaches uvicorn
+            asyncio.run(app(scope, receive, send))
+        assert sent == ["http.response.start"] and len(cancelled) == 1  # before the call returned
+        deadline = time.monotonic() + 10
+        while sum(engine.load()[k] for k in ("running", "waiting")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.load()["running"] == engine.load()["waiting"] == 0
+    finally:
+        engine.close()
