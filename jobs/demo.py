@@ -7,6 +7,9 @@ use this module too without an import circle.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,9 +23,16 @@ SFT_DEMOS = {"runs/sft_demo/ckpt/optimized": "configs/demo/sft_demo.yaml",
              "runs/sft_countdown/ckpt/optimized": "configs/demo/sft_countdown.yaml"}
 
 
-def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any]) -> None:
-    """Demo configs only: build the model at one of the demo paths when it is missing (and say so); an SFT demo
-    model is trained with ``train_sft`` (the SFT job) from its config (``SFT_DEMOS``).
+ROOT = Path(__file__).resolve().parents[1]
+# what a launcher (accelerate launch, torchrun) tells its processes; the demo's SFT child must not see it
+LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any], processes: int = 1) -> None:
+    """Demo configs only (the main process of a job of ``processes``): build the model at one of the demo paths
+    when it is missing (and say so); an SFT demo model is trained with ``train_sft`` (the SFT job) from its config
+    (``SFT_DEMOS``), in a process of its own when the job has several.
 
     Any other missing path is an error: a mistyped path must never silently become a random model.
     """
@@ -35,10 +45,28 @@ def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any]) -> None:
     sft_config = SFT_DEMOS.get(path.as_posix().rstrip("/"))
     if sft_config:
         print(f"{path} is missing: training the demo's starting model with {sft_config} (runs once)", flush=True)
-        train_sft(load_config([f"config={sft_config}", "experiment.overwrite=true"], "sft"))
+        args = [f"config={sft_config}", "experiment.overwrite=true"]
+        if processes == 1:
+            train_sft(load_config(args, "sft"))
+        else:
+            _train_alone(args)
         return
     from models.tiny import save_tiny_checkpoint
     from models.tokenizers import build_demo_tokenizer
 
     print(f"building a tiny random {model_cfg.model_base} model at {path} (demo; nothing is downloaded)")
     save_tiny_checkpoint(path, str(model_cfg.model_base), build_demo_tokenizer(), size="demo")
+
+
+def _train_alone(args: list[str]) -> None:
+    """The SFT demo in a single-process child. In the job's own process it would join the launch's process group,
+    whose other processes are waiting for the model at a barrier, and take the group down when it ends."""
+    from jobs.sft_entry import script_family
+
+    family = script_family(str(load_config(args, "sft").model.model_base))
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES and not k.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
+    cmd = [sys.executable, str(ROOT / "train" / f"sft_{family}.py"), *args]
+    code = subprocess.run(cmd, env=env).returncode
+    if code != 0:
+        raise ModelLoadError(f"training the demo's starting model failed (exit code {code}): {' '.join(cmd)}")

@@ -122,7 +122,7 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
         else None
     try:
         if main:
-            ensure_demo_model(cfg.model, run_sft)
+            ensure_demo_model(cfg.model, run_sft, rank_world(acc)[1])
         barrier(acc)
         device = acc.device if acc is not None else default_device()
         adapter = load_model(cfg.model, device=device)

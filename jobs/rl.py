@@ -223,7 +223,7 @@ class RLJob:
         resume_from = self._check_run_dir()
         if resume_from is None:
             if self.main:
-                ensure_demo_model(cfg.model, run_sft)
+                ensure_demo_model(cfg.model, run_sft, self.acc.num_processes)
             barrier(self.acc)
         resume_dir = None if resume_from is None else self._policy_dir(resume_from)
         self.adapter = load_policy(cfg.model, cfg.lora, resume_dir, default_device())  # LoRA: models/lora.py
