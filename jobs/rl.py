@@ -84,6 +84,14 @@ RESUMABLE_CHANGES = ("experiment.total_step", "experiment.start_from_scratch", "
                      "process_reward.retries", "process_reward.concurrency")
 
 
+
+def resumable_changes(cfg: Any) -> tuple[str, ...]:
+    """The keys that may change on resume: ``RESUMABLE_CHANGES``, less ``process_reward.concurrency`` for a judge
+    run in this process, whose batches are ``concurrency`` prompts (a batch's padding and seed change answers)."""
+    local_judge = cfg.model.process_reward_model and not cfg.process_reward.base_url
+    return tuple(k for k in RESUMABLE_CHANGES if not (local_judge and k == "process_reward.concurrency"))
+
+
 # ------------------------------------------------------------------------------------------ run directory
 
 
@@ -334,10 +342,11 @@ class RLJob:
         # a key newer than the run's config.yaml (added by a later version) matches when it keeps its default
         defaults = _flatten(defaults_tree(type(self.cfg)))
         saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
+        resumable = resumable_changes(self.cfg)
         for key in sorted(set(saved) | set(now)):
-            if key not in RESUMABLE_CHANGES and saved.get(key) != now.get(key):
+            if key not in resumable and saved.get(key) != now.get(key):
                 raise RunDirError(f"cannot resume {self.root}: '{key}' was {saved.get(key)!r} and is now "
-                                  f"{now.get(key)!r} (only {', '.join(RESUMABLE_CHANGES)} may change)")
+                                  f"{now.get(key)!r} (only {', '.join(resumable)} may change)")
 
     def _drawable_tasks(self) -> list[int]:
         """Dataset rows a step may draw: those whose prompt fits ``training.max_prompt_len`` (a longer prompt's

@@ -54,7 +54,9 @@ class ProcessRewardConfig(Settings):
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key (unset: no key)
     timeout: float = bounded(300.0, 0.0, lo_open=True)  # seconds per request
     retries: int = bounded(4, 0)  # a failing request is retried with exponential backoff, then the run stops
-    concurrency: int = bounded(16, 1)  # requests in flight (endpoint) / prompts per batch (local judge)
+    # requests in flight (endpoint; may change on resume) / prompts per batch (local judge: fixed for a run, since
+    # a batch's padding and seed change the answers)
+    concurrency: int = bounded(16, 1)
 
 
 # ------------------------------------------------------------------------------------------ prompt and parsing

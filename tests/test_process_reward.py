@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from core.files import RunDirError
 from jobs.config import load_config
 from reward.process import (
     ProcessRewardConfig,
@@ -213,6 +214,12 @@ def test_rl_with_a_local_judge_runs_and_counts_what_it_could_not_parse(tmp_path,
     history = run_rl(cfg, progress=False)
     for m in history[-2:]:  # a random judge never writes a box: every judgment counted, rewards all 0
         assert m["judgments"] > 0 and m["judge_unparseable"] == m["judgments"] and m["optimizer_steps"] >= 1
+    # a local judge's batches are `concurrency` prompts, which changes its answers: not changeable on resume
+    resume = [*_process_args(tmp_path, models, **{"model.process_reward_model": models["judge"]}),
+              "process_reward.max_new_tokens=4", "process_reward.max_model_len=4096", "experiment.total_step=3",
+              "experiment.start_from_scratch=false"]
+    with pytest.raises(RunDirError, match="'process_reward.concurrency' was 8 and is now 4"):
+        run_rl(load_config([*resume, "process_reward.concurrency=4"], "rl"), progress=False)
 
 
 def test_a_judge_that_keeps_failing_stops_the_run_with_one_line(tmp_path, models, judge_endpoint, capsys,
