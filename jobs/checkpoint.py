@@ -2,7 +2,8 @@
 
 ``<dir>/policy/``  the model (safetensors, config, tokenizer): the whole 16-bit weights under ZeRO-3, saved once;
 ``<dir>/trainer/`` optimizer (sharded under ZeRO), RNG states, and ``loop.json`` (step counters, LR schedule, the
-                   launch it was saved under); ``<dir>/DONE`` marks a complete checkpoint.
+                   launch it was saved under); ``<dir>/DONE`` marks a complete checkpoint. A trainer sharing
+                   another's Accelerator (RL's value model outside DeepSpeed) keeps only ``loop.json`` there.
 The weights are stored once: ``trainer/`` holds no second copy of them (a run resumes its weights from ``policy/``),
 except under DeepSpeed, whose engine writes its own partitioned model states beside the optimizer's.
 A checkpoint saved by another number of processes (or another launcher) resumes its weights only: the optimizer
@@ -56,17 +57,21 @@ def _without_model_weights(acc: Any):
             h.remove()
 
 
-def save_checkpoint(trainer: Any, ckpt: Path, extra: dict | None = None) -> None:
-    """Write a complete checkpoint of ``trainer`` (collective: every process calls it)."""
+def save_checkpoint(trainer: Any, ckpt: Path, extra: dict | None = None, accelerator_state: bool = True) -> None:
+    """Write a complete checkpoint of ``trainer`` (collective: every process calls it). ``accelerator_state`` False:
+    the trainer shares its Accelerator with one whose checkpoint saves it (the Accelerator's state holds every
+    optimizer it prepared), so ``trainer/`` keeps the loop state only."""
     acc, model = trainer.accelerator, trainer.model
     state = acc.get_state_dict(model)  # whole weights under ZeRO-3 (collective)
     main = is_main(acc)
     if main:
         acc.unwrap_model(model).save_pretrained(ckpt / "policy", state_dict=state, safe_serialization=True)
         trainer.adapter.tokenizer.save_pretrained(ckpt / "policy")
-    with _without_model_weights(acc):
-        acc.save_state(str(ckpt / "trainer"))
+    if accelerator_state:
+        with _without_model_weights(acc):
+            acc.save_state(str(ckpt / "trainer"))
     if main:
+        (ckpt / "trainer").mkdir(parents=True, exist_ok=True)
         write_atomic(ckpt / "trainer" / "loop.json", json.dumps({
             "rl_step": trainer.rl_step, "schedule": trainer.schedule.state_dict(),
             "num_processes": acc.num_processes, "distributed_type": str(acc.distributed_type), **(extra or {})}))
@@ -78,17 +83,17 @@ def is_complete(ckpt: Path) -> bool:
     return (ckpt / "DONE").is_file()
 
 
-def load_checkpoint(trainer: Any, ckpt: Path) -> dict:
+def load_checkpoint(trainer: Any, ckpt: Path, accelerator_state: bool = True) -> dict:
     """Restore optimizer, RNG and schedule state (the weights come from ``policy/`` when the model is loaded);
-    returns ``loop.json``."""
+    returns ``loop.json``. ``accelerator_state`` False: the loop state only (see :func:`save_checkpoint`)."""
     acc = trainer.accelerator
     loop = json.loads((ckpt / "trainer" / "loop.json").read_text())
     same = (loop.get("num_processes"), loop.get("distributed_type")) == (acc.num_processes,
                                                                          str(acc.distributed_type))
-    if same:
+    if same and accelerator_state:
         with _without_model_weights(acc):
             acc.load_state(str(ckpt / "trainer"))
-    elif is_main(acc):
+    elif not same and is_main(acc):
         print(f"note: {ckpt} was saved by {loop.get('num_processes')} process(es) "
               f"({loop.get('distributed_type')}); resuming the weights with a fresh optimizer state", flush=True)
     trainer.rl_step = int(loop["rl_step"])

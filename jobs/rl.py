@@ -268,7 +268,8 @@ class RLJob:
         if resume_from is not None:
             self._load_trainer(self.run.step(resume_from) / "ckpt")
             if self.value is not None:
-                load_checkpoint(self.value, self.run.step(resume_from) / "ckpt" / "value")
+                load_checkpoint(self.value, self.run.step(resume_from) / "ckpt" / "value",
+                                accelerator_state=self._value_has_own_state())
         if self.main:
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / "config.yaml", config_text(cfg))
@@ -560,9 +561,14 @@ class RLJob:
     def _policy_dir(self, step: int) -> Path:
         return self.run.step(step) / "ckpt" / "policy"
 
+    def _value_has_own_state(self) -> bool:
+        """Whether the value model has an Accelerator of its own (DeepSpeed); else the policy's checkpoint holds its
+        optimizer and RNG state with the policy's."""
+        return self.value.accelerator is not self.trainer.accelerator
+
     def _save(self, ckpt: Path) -> None:
         if self.value is not None:
-            save_checkpoint(self.value, ckpt / "value")
+            save_checkpoint(self.value, ckpt / "value", accelerator_state=self._value_has_own_state())
         save_checkpoint(self.trainer, ckpt)
 
     def _load_trainer(self, ckpt: Path) -> None:

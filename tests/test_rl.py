@@ -230,3 +230,27 @@ def test_the_value_schedule_counts_the_optimiser_steps_the_policy_schedule_count
     job = SimpleNamespace(cfg=cfg, acc=SimpleNamespace(num_processes=2))
     assert RLJob._optimizer_steps(job) == 10 * 2  # 16 samples per step, 8 per process, 4 per optimiser step
     assert RLJob._optimizer_steps(job, every=2) == 5 * 2
+
+
+@pytest.mark.slow
+def test_a_value_model_run_resumes_exactly_and_saves_each_optimizer_once(tmp_path, ckpts):
+    """Outside DeepSpeed the value model shares the policy's Accelerator, whose state holds both optimizers: the
+    policy's checkpoint saves them once, the value checkpoint keeps its weights and loop state only."""
+    value = {"model.value_base_model": ckpts["sdar"]}
+    whole = tmp_path / "whole"
+    proc = _harness(demo_args(whole, ckpts["sdar"], **value))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = whole / "run" / "step_3" / "ckpt"
+    assert sorted(p.name for p in (ckpt / "value" / "trainer").iterdir()) == ["loop.json"]
+    assert sorted(p.name for p in (ckpt / "trainer").glob("optimizer*")) == ["optimizer.bin", "optimizer_1.bin"]
+    out = tmp_path / "killed"
+    killed = _harness(demo_args(out, ckpts["sdar"], **value), kill="train:3")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _harness(demo_args(out, ckpts["sdar"], **value, **{"experiment.start_from_scratch": "false"}))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = [comparable([json.loads(x) for x in (d / "run" / "metrics.jsonl").read_text().splitlines()])
+               for d in (whole, out)]
+    assert metrics[0] == metrics[1]
+    for part in ("policy", "value/policy"):
+        a, b = (load_file(str(d / "run" / "step_3" / "ckpt" / part / "model.safetensors")) for d in (whole, out))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
