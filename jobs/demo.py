@@ -61,12 +61,12 @@ def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any], processes
 def _train_alone(args: list[str]) -> None:
     """The SFT demo in a single-process child. In the job's own process it would join the launch's process group,
     whose other processes are waiting for the model at a barrier, and take the group down when it ends."""
-    from jobs.sft_entry import script_family
-
-    family = script_family(str(load_config(args, "sft").model.model_base))
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARIABLES and not k.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
-    cmd = [sys.executable, str(ROOT / "train" / f"sft_{family}.py"), *args]
-    code = subprocess.run(cmd, env=env).returncode
-    if code != 0:
-        raise ModelLoadError(f"training the demo's starting model failed (exit code {code}): {' '.join(cmd)}")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    code = ("import sys; from core.entry import run_job; from jobs.config import load_config; from jobs.sft import "
+            "run_sft; sys.exit(run_job(lambda: run_sft(load_config(sys.argv[1:], 'sft'))))")
+    returncode = subprocess.run([sys.executable, "-c", code, *args], env=env).returncode
+    if returncode != 0:
+        raise ModelLoadError(f"training the demo's starting model failed (exit code {returncode}); to see why, run "
+                             f"the SFT alone: python train/sft_sdar.py {' '.join(args)}")

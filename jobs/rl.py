@@ -84,7 +84,6 @@ RESUMABLE_CHANGES = ("experiment.total_step", "experiment.start_from_scratch", "
                      "process_reward.retries", "process_reward.concurrency")
 
 
-
 def resumable_changes(cfg: Any) -> tuple[str, ...]:
     """The keys that may change on resume: ``RESUMABLE_CHANGES``, less ``process_reward.concurrency`` for a judge
     run in this process, whose batches are ``concurrency`` prompts (a batch's padding and seed change answers)."""
