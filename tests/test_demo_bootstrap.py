@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_train_distributed import _free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,9 +32,12 @@ def test_eval_trains_the_missing_sft_demo_model_once(tmp_path, launcher):
     cwd = _fresh_checkout(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, str(ROOT / "eval.py"), f"config={ROOT / 'configs/demo/eval_demo.yaml'}",
+    launch = [] if launcher is None else [  # on a free port: another run may hold accelerate's default one
+        "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / f"{launcher}.yaml"),
+        "--main_process_port", str(_free_port())]
+    cmd = [sys.executable, *launch, str(ROOT / "eval.py"), f"config={ROOT / 'configs/demo/eval_demo.yaml'}",
            "model.pretrained_model=runs/sft_demo/ckpt/optimized", "dataset.builtin_size=4", "rollout.max_tokens=8",
-           "experiment.project=bootstrap", *([f"experiment.deepspeed_file={launcher}"] if launcher else [])]
+           "experiment.project=bootstrap"]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("training the demo's starting model") == 1  # by the main process only
