@@ -35,7 +35,7 @@ from torch import Tensor
 
 from models.moe import expert_layers_sync_free
 from sample.block_runners import CachedRunner, RecomputeRunner, StaticRunner
-from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence, append_rows, keep_rows
+from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence, append_rows, keep_rows, on_device
 from sample.params import SamplingParams
 from sample.strategies import (
     Draw,
@@ -48,10 +48,11 @@ from sample.strategies import (
     select_transfer,
 )
 
-# Widest fused forward (rows x 2 blocks) worth padding rows that carry nothing: a GPU decode forward of a few
-# thousand tokens costs about what one of a few tokens does (weights dominate), a CPU one is compute-bound past a
-# few dozen (bench/sampler.py: at batch 32 on 2 cores, always fusing is 0.74x).
-FUSE_MAX_TOKENS = {"cuda": 8192, "cpu": 64}
+# Widest fused forward (rows x 2 blocks) worth padding rows that carry nothing. Measured (``python -m bench.gpu
+# --sections fuse``): on an H100, SDAR-1.7B shape in bf16, always fusing against storing alone was 1.34x at 256
+# tokens, 1.17x at 1,024 and 0.83x at 4,096, so CUDA fuses up to 2,048; a CPU forward is compute-bound past a few
+# dozen tokens (bench/sampler.py: at batch 32 on 2 cores, always fusing is 0.74x).
+FUSE_MAX_TOKENS = {"cuda": 2048, "cpu": 64}
 # Fused (past FUSE_MAX_TOKENS) when at least this share of the rows carries a finished block; 1.0: only when every
 # row does, the rule before. Rows out of phase (a request that joined a server's batch a step after the others)
 # otherwise settle into taking turns: the carriers store their block alone while the others denoise, then the other
@@ -123,7 +124,7 @@ class BlockSampler:
             self.runner = CachedRunner(adapter, self.b, self.stats)
         self.fuse_max_tokens = FUSE_MAX_TOKENS["cuda" if self.device.type == "cuda" else "cpu"]
         sched = block_schedule(self.b, params.denoising_steps)
-        self.schedule = schedule_table([sched], fill=self.b)[0].to(self.device)
+        self.schedule = schedule_table([sched], fill=self.b, device=self.device)[0]
         self.running: list[_Running] = []
         self.n_carrying = 0  # rows whose finished block rides in front of the next step (known from the last sync)
         self.degenerate = torch.zeros((), dtype=torch.long, device=self.device)  # the last draw's, see _draw
@@ -182,7 +183,7 @@ class BlockSampler:
             prompt = seq.prompt
             cut = (len(prompt) // self.b) * self.b
             tail = prompt[cut:]
-            prefixes.append(torch.tensor(prompt[:cut], dtype=torch.long, device=self.device))
+            prefixes.append(on_device(prompt[:cut], self.device))
             blocks.append(tail + [self.adapter.mask_id] * (self.b - len(tail)))
             starts.append(cut)
             tails.append(len(tail))
@@ -192,9 +193,9 @@ class BlockSampler:
 
     def _append_rows(self, blocks: list[list[int]], starts: list[int], tails: list[int]) -> None:
         dev, n = self.device, len(blocks)
-        masked = torch.arange(self.b, device=dev)[None, :] >= torch.tensor(tails, device=dev)[:, None]
-        opening = {"tokens": torch.tensor(blocks, dtype=torch.long, device=dev), "masked": masked,
-                   "editable": masked, "start": torch.tensor(starts, dtype=torch.long, device=dev)}
+        masked = torch.arange(self.b, device=dev)[None, :] >= on_device(tails, dev)[:, None]
+        opening = {"tokens": on_device(blocks, dev), "masked": masked, "editable": masked,
+                   "start": on_device(starts, dev)}
         append_rows(self, {name: opening[name] if name in opening else self._zero_rows(name, n) for name in _ROW_STATE})
 
     # ------------------------------------------------------------ one denoising step
@@ -262,7 +263,7 @@ class BlockSampler:
     def _finish_blocks(self, complete: list[int]) -> list[Finished]:
         """Cut the complete blocks at stops / budget, retire finished rows, open the next block of the others (their
         finished block is carried into the next step to be stored)."""
-        idx = torch.tensor(complete, dtype=torch.long, device=self.device)
+        idx = on_device(complete, self.device)
         packed = torch.cat([self.tokens[idx].double(), self.rec_step[idx].double(), self.rec_logp[idx].double(),
                             self.rec_conf[idx].double(), self.rec_rewrites[idx].double()], 1).tolist()
         b = self.b
@@ -277,13 +278,13 @@ class BlockSampler:
         gone = set(finished)
         going_on = [i for i in complete if i not in gone]
         if going_on:
-            cont = torch.tensor(going_on, dtype=torch.long, device=self.device)
+            cont = on_device(going_on, self.device)
             for i in going_on:
                 self.running[i].cached += b
             self.runner.saved(going_on, self.tokens[cont], max(r.cached for r in self.running))
             if self.runner.stores_blocks:
                 self.carry[cont] = self.tokens[cont]
-                self.carrying[cont] = True
+                self.carrying.index_fill_(0, cont, True)
                 self.n_carrying = len(going_on)
         self._advance(idx, finished)
         return done
@@ -319,14 +320,10 @@ class BlockSampler:
     def _advance(self, complete: Tensor, finished: list[int]) -> None:
         """Open the next block of the rows that go on; drop the finished rows from the batch."""
         self.start[complete] += self.b
-        self.tokens[complete] = self.adapter.mask_id
-        self.masked[complete] = True
-        self.t_block[complete] = 0
-        self.rec_step[complete] = 0
-        self.editable[complete] = True
-        self.rec_rewrites[complete] = 0
-        self.post[complete] = 0
-        self.edited[complete] = False
+        # index_fill_, not ``x[rows] = value``: on CUDA that assignment copies the value from the host and waits
+        for name, value in (("tokens", self.adapter.mask_id), ("masked", True), ("t_block", 0), ("rec_step", 0),
+                            ("editable", True), ("rec_rewrites", 0), ("post", 0), ("edited", False)):
+            getattr(self, name).index_fill_(0, complete, value)
         if finished:
             self._drop_rows(finished)
 

@@ -147,12 +147,22 @@ def append_rows(sampler: Any, rows: dict[str, Tensor]) -> None:
         setattr(sampler, name, torch.cat([getattr(sampler, name), new]))
 
 
+def on_device(values: Any, device: torch.device | str, dtype: torch.dtype = torch.long) -> Tensor:
+    """``values`` (numbers, or nested lists of them) as a tensor on ``device``, without making the host wait: a copy
+    to a GPU from ordinary (pageable) host memory blocks until the device has drained its queue, one from pinned
+    memory is queued like a kernel. On an H100 such copies (row indices, new rows) were most of a decode step's
+    host syncs."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def keep_rows(sampler: Any, names: Seq[str], gone: Seq[int]) -> Tensor:
     """Remove the rows ``gone`` (indices into ``sampler.running``) from ``running`` and from each per-row tensor
     attribute in ``names``; the kept rows' index (on the sampler's device, for its cache)."""
     dropped = set(gone)
     kept = [i for i in range(len(sampler.running)) if i not in dropped]
-    index = torch.tensor(kept, dtype=torch.long, device=sampler.device)
+    index = on_device(kept, sampler.device)
     sampler.running = [sampler.running[i] for i in kept]
     for name in names:
         setattr(sampler, name, getattr(sampler, name)[index])

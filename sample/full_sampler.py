@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.common import AttentionLayout, predicting_columns
-from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence, append_rows, keep_rows
+from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence, append_rows, keep_rows, on_device
 from sample.kv_batch import BatchKVCache
 from sample.params import SamplingParams
 from sample.strategies import (
@@ -81,10 +81,10 @@ class FullSampler:
         self.gen_len = self.n_blocks * self.bl
         per_block = split_steps(params.steps or self.gen_len, self.n_blocks)
         self.device = next(adapter.model.parameters()).device
-        self.schedule = schedule_table([block_schedule(self.bl, s) for s in per_block], self.bl).to(self.device)
+        self.schedule = schedule_table([block_schedule(self.bl, s) for s in per_block], self.bl, self.device)
         self.shift = 1 if adapter.shift_logits else 0
         self.stop_ids, self.eos_ids = stop_ids, set(adapter.eos_ids)
-        self.stop_tensor = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.long, device=self.device)
+        self.stop_tensor = on_device(sorted(stop_ids) or [-1], self.device)
         self.limit = limit
         self.stats = RolloutStats()
         self.num_layers = len(adapter.new_cache().keys)
@@ -128,8 +128,8 @@ class FullSampler:
         dev, w, g = self.device, self.width, self.gen_len
         rows = [[self.adapter.pad_id] * (w - len(s.prompt)) + s.prompt + [self.adapter.mask_id] * g
                 for s in sequences]
-        canvas = torch.tensor(rows, dtype=torch.long, device=dev)
-        plen = torch.tensor([len(s.prompt) for s in sequences], dtype=torch.long, device=dev)
+        canvas = on_device(rows, dev)
+        plen = on_device([len(s.prompt) for s in sequences], dev)
         valid = torch.arange(w + g, device=dev)[None, :] >= (w - plen)[:, None]
         pos = (valid.long().cumsum(1) - 1).clamp(min=0).masked_fill(~valid, 0)
         n = len(sequences)
@@ -193,8 +193,8 @@ class FullSampler:
         return predicting_columns(cand + self.width, self.adapter.shift_logits, (self.width - self.plen)[:, None])
 
     def _denoise_step(self) -> None:
-        counters = torch.tensor([[r.blk, r.t_block] for r in self.running], dtype=torch.long)
-        self.blk, self.t_block = counters.to(self.device).unbind(1)  # this step's, from the host counters
+        counters = on_device([[r.blk, r.t_block] for r in self.running], self.device)
+        self.blk, self.t_block = counters.unbind(1)  # this step's, from the host counters
         cand, cand_valid = self._candidates()
         hidden = self._hidden(self._predicting_columns(cand))
         self.stats.denoise_forwards += 1
@@ -266,20 +266,20 @@ class FullSampler:
     def _keep_complete_blocks(self, rows: list[int]) -> None:
         """Move ``rows`` to their next block, keeping the finished block's tokens, log-probs and steps on the host
         for ``committed`` (a copy once per block, not per step)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = on_device(rows, self.device)
         cols = self.blk[idx, None] * self.bl + torch.arange(self.bl, device=self.device)
-        tokens = self.canvas[idx, self.width:].gather(1, cols).tolist()
-        logps = self.rec_logp[idx].gather(1, cols).tolist()
-        steps = self.rec_step[idx].gather(1, cols).tolist()
+        tokens, logps, steps = torch.stack([self.canvas[idx, self.width:].gather(1, cols).double(),
+                                            self.rec_logp[idx].gather(1, cols).double(),
+                                            self.rec_step[idx].gather(1, cols).double()]).tolist()  # one read back
         for i, toks, lps, sts in zip(rows, tokens, logps, steps):
             row = self.running[i]
-            row.response += toks
+            row.response += [int(t) for t in toks]
             row.logprobs += lps
-            row.steps += sts
+            row.steps += [int(t) for t in sts]
             row.blk, row.t_block, row.masks_left = row.blk + 1, 0, self.bl
 
     def _trajectories(self, finished: list[int], status: list[list[int]]) -> list[Finished]:
-        idx = torch.tensor(finished, dtype=torch.long, device=self.device)
+        idx = on_device(finished, self.device)
         gen = self.canvas[idx, self.width:]
         tokens = torch.where(self.decoded[idx], gen, self.adapter.mask_id)
         after_end = (self.counter[idx] + 1)[:, None].expand_as(gen)
@@ -332,8 +332,8 @@ class WindowCachedFullSampler(FullSampler):
             return self._refresh(None, cols)
         if not refresh:
             return self._window(None, cols)
-        g1 = torch.tensor(refresh, dtype=torch.long, device=self.device)
-        g2 = torch.tensor([i for i in range(len(self.running)) if self.running[i].t_block], device=self.device)
+        g1 = on_device(refresh, self.device)
+        g2 = on_device([i for i in range(len(self.running)) if self.running[i].t_block], self.device)
         h2 = self._window(g2, cols[g2])  # reads the old cache rows of g2 before g1's rows are replaced
         h1 = self._refresh(g1, cols[g1])
         out = h1.new_empty(len(self.running), *h1.shape[1:])

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from core.errors import UserError
+from sample.engine import on_device
 from sample.params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -228,8 +229,8 @@ def split_steps(total: int, n_blocks: int) -> list[int]:
     return [total // n_blocks + (1 if k < total % n_blocks else 0) for k in range(n_blocks)]
 
 
-def schedule_table(schedules: list[list[int]], fill: int) -> Tensor:
-    """[len(schedules), max_len + 1] transfer counts; steps past a schedule's end commit ``fill`` (everything)."""
+def schedule_table(schedules: list[list[int]], fill: int, device: torch.device | str = "cpu") -> Tensor:
+    """[len(schedules), max_len + 1] transfer counts on ``device``; steps past a schedule's end commit ``fill``
+    (everything)."""
     width = max(len(s) for s in schedules) + 1
-    rows = [s + [fill] * (width - len(s)) for s in schedules]
-    return torch.tensor(rows, dtype=torch.long)
+    return on_device([s + [fill] * (width - len(s)) for s in schedules], device)

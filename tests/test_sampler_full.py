@@ -6,7 +6,7 @@ import pytest
 
 from sample.generate import generate
 from sample.params import SamplingParams
-from tests.test_sampler_utils import prompts_of, replay_full, sharp_tiny
+from tests.test_sampler_utils import DeviceWaits, prompts_of, replay_full, sharp_tiny
 
 BL = 4
 
@@ -126,3 +126,15 @@ def test_committed_grows_by_whole_final_blocks(full, cache):
             if len(ids) > seen[index][-1]:
                 seen[index].append(len(ids))
     assert seen == {0: [0, 4, 8, 12], 1: [0, 4, 8, 12]}
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+def test_a_denoising_step_copies_nothing_to_the_device_from_pageable_memory(full, cache):
+    """As for block models (``DeviceWaits``): host-side counters, row indices and new rows reach the device from
+    pinned memory, and a step reads back at most a few times (its end, finished blocks, finished rows)."""
+    params = _greedy(max_tokens=32, steps=16, cache=cache, temperature=1.0, seed=0)
+    with DeviceWaits() as waits:
+        out = generate(full, prompts_of(), params, progress=False)
+    assert all(len(t.response_ids) == 32 for t in out)
+    assert waits.copies == {}
+    assert sum(waits.reads.values()) <= 3 * out.stats.forwards

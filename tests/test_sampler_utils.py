@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +231,69 @@ def test_split_steps_gives_earlier_blocks_the_remainder():
     assert split_steps(10, 4) == [3, 3, 2, 2]
     with pytest.raises(ValueError, match="smaller than the number of blocks"):
         split_steps(3, 4)
+
+
+class DeviceWaits:
+    """Counts, on CPU, what the sampler's own code (``sample/``) does that makes the host wait for a CUDA device:
+    ``reads`` bring a value back (item, tolist, bool, nonzero, boolean indexing) and ``copies`` send one from
+    pageable host memory (``torch.tensor(..., device=...)``, ``.to(device)``, ``x[rows] = scalar``), whereas
+    ``sample.engine.on_device`` copies from pinned memory without waiting. On an H100, torch's sync debug mode
+    found exactly such sites (``pytest -m gpu``); this proxy lets the CPU suite pin them. Use as a context manager;
+    ``reads`` and ``copies`` map a call site to its count."""
+
+    READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "_unique2", "unique_consecutive"}
+
+    def __init__(self):
+        self.reads: dict[str, int] = {}
+        self.copies: dict[str, int] = {}
+
+    def __enter__(self) -> DeviceWaits:
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        waits = self
+
+        class Aten(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._schema.name.split("::")[1]
+                if name in DeviceWaits.READS or name == "index" and any(
+                        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+                    waits._count(waits.reads, name)
+                elif name.startswith("index_put") and isinstance(args[2], torch.Tensor) and args[2].dim() == 0:
+                    waits._count(waits.copies, "x[rows] = scalar")
+                return func(*args, **(kwargs or {}))
+
+        class Calls(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                kwargs = kwargs or {}
+                if name in ("tolist", "item", "cpu", "numpy"):
+                    waits._count(waits.reads, name)
+                elif func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+                    waits._count(waits.copies, "torch.tensor(device=)")
+                elif name == "to" and (kwargs.get("device") is not None or any(
+                        isinstance(a, (str, torch.device)) for a in args[1:])) and not kwargs.get("non_blocking"):
+                    waits._count(waits.copies, ".to(device)")
+                return func(*args, **kwargs)
+
+        self._modes = [Aten(), Calls()]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    @staticmethod
+    def _count(into: dict[str, int], what: str) -> None:
+        import traceback
+
+        root = str(Path(__file__).resolve().parents[1]) + "/"
+        ours = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(root) and "/.venv/" not in f.filename
+                and f.filename != __file__]
+        where = ours[-1].filename.removeprefix(root) if ours else ""
+        # the model's own CPU-only branches (models/) do not run on CUDA; on_device is pinned there
+        if where.startswith("sample/") and ours[-1].name != "on_device":
+            key = f"{what} @ {where}:{ours[-1].lineno}"
+            into[key] = into.get(key, 0) + 1
