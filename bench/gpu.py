@@ -26,6 +26,12 @@
    2 steps of ``rl.py`` (full, LoRA, and QLoRA on CUDA), 2 steps of SFT, and a single-GPU DeepSpeed ZeRO-3 RL step
    (``accelerate launch``). The first run that needs the demo SFT model trains it (about a minute on an H100).
 
+5. ``profile``: where a sampler run's time goes, for the first shape at the largest batch (static decoding, eager
+   and with CUDA graphs), one warm run under torch.profiler: wall time, the device's busy time (its kernels'
+   sum; busy / wall says how much the host leaves it idle), kernel launches, host syncs (sync debug mode, a
+   second run) and the ops with the most device time; the full table is written beside ``--out``. Not in the
+   default sections: run ``--sections profile`` after ``sampler`` when the throughput falls short.
+
 ``--sections`` runs some of them (a GPU lease may not hold them all); the JSON is rewritten after each section, so a
 run stopped at its time limit keeps what it measured. Any failure is printed with its command and makes the exit
 status 1; the JSON holds every number.
@@ -247,6 +253,68 @@ def training_rows(args, device: str) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------ profile
+
+
+def _count_host_syncs(device: str, run) -> int | None:
+    """Host syncs of ``run()`` by torch's sync debug mode (CUDA only)."""
+    if not device.startswith("cuda"):
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def profile_rows(args, device: str) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from sample.generate import generate
+    from sample.params import SamplingParams
+
+    cuda = device.startswith("cuda")
+    shape, batch, tokens = args.shapes[0], max(args.batches), min(args.tokens, 64)
+    adapter = build_adapter(shape, device, args.dtype)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(batch)]
+    rows = []
+    for mode, graphs in (("eager", False), ("graphs", True)):
+        sp = SamplingParams(max_tokens=tokens, denoising_steps=4, temperature=1.0, seed=0, ignore_eos=True,
+                            stop_token_ids=[], remasking_strategy="low_confidence_static", max_active=batch,
+                            cuda_graphs=graphs)
+        run = lambda sp=sp: generate(adapter, prompts, sp, progress=False)  # noqa: E731
+        run()  # warm: kernels, allocator, captures
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            out = run()
+            _sync(device)
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        busy_us = sum(e.self_device_time_total for e in events) if cuda else None
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch"))
+        by = "self_device_time_total" if cuda else "self_cpu_time_total"
+        table = Path(args.out).with_suffix(f".profile_{mode}.txt")
+        table.write_text(events.table(sort_by=by, row_limit=30))
+        top = sorted(events, key=lambda e: getattr(e, by), reverse=True)[:6]
+        row = {"shape": shape, "batch": batch, "mode": mode, "tokens": out.stats.generated_tokens,
+               "forwards": out.stats.forwards, "wall_s": wall, "tok_s": out.stats.generated_tokens / wall,
+               "device_busy_s": None if busy_us is None else busy_us / 1e6,
+               "device_busy_pct": None if busy_us is None else 100 * busy_us / 1e6 / wall,
+               "kernel_launches": launches if cuda else None, "host_syncs": _count_host_syncs(device, run),
+               "top_ms": {e.key[:60]: getattr(e, by) / 1e3 for e in top}, "table": str(table)}
+        rows.append(row)
+        print(f"  profile {json.dumps(row)}", flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------ MoE layer
 
 MOE_LAYER = {"hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
@@ -399,6 +467,13 @@ def report(result: dict) -> str:
                          f"{r['split_ms']:.2f} ms, all experts {r['all_experts_ms']:.2f} ms "
                          f"({r['all_experts_ms'] / r['grouped_ms']:.1f}x), "
                          f"host syncs per forward {r['host_syncs_per_forward']}")
+    if result.get("profile"):
+        lines.append("where a sampler run's time goes (static decoding, under torch.profiler):")
+        for r in result["profile"]:
+            busy = "" if r["device_busy_pct"] is None else f", device busy {r['device_busy_pct']:.0f}% of it"
+            lines.append(f"  {r['shape']} batch {r['batch']} {r['mode']:<6}: {r['wall_s']:.2f} s{busy}, "
+                         f"{r['kernel_launches']} launches, {r['host_syncs']} host syncs in {r['forwards']} "
+                         f"forwards; top: " + ", ".join(f"{k} {v:.0f} ms" for k, v in list(r["top_ms"].items())[:3]))
     lines.append("smoke runs:")
     for r in result.get("smoke", []):
         lines.append(f"  {r['run']:<24} {'ok' if r['ok'] else 'FAILED ' + r['error']} ({r['seconds']:.0f} s)")
@@ -406,7 +481,8 @@ def report(result: dict) -> str:
 
 
 SECTIONS = {"sampler": sampler_rows, "fuse": fuse_rows, "training": training_rows, "moe": moe_rows,
-            "smoke": smoke_rows}
+            "smoke": smoke_rows, "profile": profile_rows}
+DEFAULT_SECTIONS = ["sampler", "fuse", "training", "moe", "smoke"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by device name)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: by device name)")
     ap.add_argument("--out", default="bench_gpu.json")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), help=f"some of {','.join(SECTIONS)}")
     ap.add_argument("--shapes", default=None, help=f"sampler model shapes, some of {','.join(SHAPES)}")
     ap.add_argument("--batches", default=None, help="sampler batch sizes, e.g. 1,32,128")
     args = ap.parse_args(argv)

@@ -34,3 +34,14 @@ def test_an_unknown_section_is_refused(capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--quick", "--device", "cpu", "--sections", "sampler,warp"])
     assert "unknown section(s) ['warp']" in capsys.readouterr().err
+
+
+def test_the_profile_section_writes_where_the_time_goes(tmp_path):
+    out = tmp_path / "bench_gpu.json"
+    assert gpu.main(["--quick", "--device", "cpu", "--sections", "profile", "--batches", "1,3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["profile"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 3), ("graphs", 3)]
+    assert all(r["tokens"] == 3 * 16 and r["wall_s"] > 0 and r["top_ms"] for r in rows)
+    assert all(r["device_busy_s"] is None and r["host_syncs"] is None for r in rows)  # CUDA-only figures
+    for mode in ("eager", "graphs"):
+        assert "Self CPU" in (tmp_path / f"bench_gpu.profile_{mode}.txt").read_text()
