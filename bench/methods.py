@@ -152,9 +152,8 @@ def ensure_start_model(model: str) -> None:
         return
     if Path(model).as_posix().rstrip("/") not in START_MODELS.values():  # only the demo's own starts are built
         raise BenchError(f"--model {model}: no checkpoint there (config.json missing)")
-    code = ("from jobs.config import load_config; from jobs.demo import ensure_demo_model; from jobs.sft import "
-            f"run_sft; ensure_demo_model(load_config(['config={BASE_CONFIG}', 'model.pretrained_model={model}'],"
-            " 'rl').model, run_sft)")
+    code = ("from jobs.config import load_config; from jobs.demo import ensure_demo_model; ensure_demo_model("
+            f"load_config(['config={BASE_CONFIG}', 'model.pretrained_model={model}'], 'rl').model)")
     if subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode != 0:
         raise BenchError(f"could not build the start model {model} (see the output above)")
 

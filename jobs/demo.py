@@ -1,8 +1,8 @@
 """The demo's starting models, built on first use (nothing is downloaded): tiny random models, and the SFT demo
 model that the RL demo starts from.
 
-Below every job that needs them: the SFT job is passed in (``train_sft``) rather than imported, so the SFT job can
-use this module too without an import circle.
+Below every job that needs them: the SFT demo model is trained in a child process that runs the SFT job by name, so
+the SFT job can use this module too without an import circle.
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobs.config import DEMO_MODEL_DIRS, load_config
+from jobs.config import DEMO_MODEL_DIRS
 from models.registry import ModelLoadError
 
 # The demo's SFT models and the config that trains each: arithmetic (the RL demo's start) and Countdown (the
@@ -29,10 +28,9 @@ LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any], processes: int = 1) -> None:
-    """Demo configs only (the main process of a job of ``processes``): build the model at one of the demo paths
-    when it is missing (and say so); an SFT demo model is trained with ``train_sft`` (the SFT job) from its config
-    (``SFT_DEMOS``), in a process of its own when the job has several.
+def ensure_demo_model(model_cfg: Any) -> None:
+    """Demo configs only (a job's main process): build the model at one of the demo paths when it is missing (and
+    say so); an SFT demo model is trained from its config (``SFT_DEMOS``) in a process of its own.
 
     Any other missing path is an error: a mistyped path must never silently become a random model.
     """
@@ -45,11 +43,7 @@ def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any], processes
     sft_config = SFT_DEMOS.get(path.as_posix().rstrip("/"))
     if sft_config:
         print(f"{path} is missing: training the demo's starting model with {sft_config} (runs once)", flush=True)
-        args = [f"config={sft_config}", "experiment.overwrite=true"]
-        if processes == 1:
-            train_sft(load_config(args, "sft"))
-        else:
-            _train_alone(args)
+        _train_alone([f"config={sft_config}", "experiment.overwrite=true"])
         return
     from models.tiny import save_tiny_checkpoint
     from models.tokenizers import build_demo_tokenizer
@@ -59,10 +53,15 @@ def ensure_demo_model(model_cfg: Any, train_sft: Callable[[Any], Any], processes
 
 
 def _train_alone(args: list[str]) -> None:
-    """The SFT demo in a single-process child. In the job's own process it would join the launch's process group,
-    whose other processes are waiting for the model at a barrier, and take the group down when it ends."""
+    """The SFT demo in a single-process child. In a launched job's process it would join the launch's process group,
+    whose other processes are waiting for the model at a barrier, and take the group down when it ends; in any job
+    it would load a second config into the job's process (the loader keeps how the job's keys were spelled, for its
+    errors, per process)."""
+    launched = any(k in os.environ for k in LAUNCHER_VARIABLES)
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARIABLES and not k.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
+    if launched and env.get("OMP_NUM_THREADS") == "1":
+        del env["OMP_NUM_THREADS"]  # torchrun's one thread per process; the child trains alone while the rest wait
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     code = ("import sys; from core.entry import run_job; from jobs.config import load_config; from jobs.sft import "
             "run_sft; sys.exit(run_job(lambda: run_sft(load_config(sys.argv[1:], 'sft'))))")

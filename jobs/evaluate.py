@@ -16,7 +16,6 @@ from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main, rank_world
 from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded
-from jobs.sft import run_sft
 from models.registry import ModelLoadError, load_model
 from sample.trace_viewer import build_trace_html
 from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
@@ -122,7 +121,7 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
         else None
     try:
         if main:
-            ensure_demo_model(cfg.model, run_sft, rank_world(acc)[1])
+            ensure_demo_model(cfg.model)
         barrier(acc)
         device = acc.device if acc is not None else default_device()
         adapter = load_model(cfg.model, device=device)

@@ -60,7 +60,6 @@ from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, end_processes, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
-from jobs.sft import run_sft
 from jobs.trackers import start_trackers
 from models.lora import wrapped_model
 from models.registry import family_spec, load_model, load_policy
@@ -230,7 +229,7 @@ class RLJob:
         resume_from = self._check_run_dir()
         if resume_from is None:
             if self.main:
-                ensure_demo_model(cfg.model, run_sft, self.acc.num_processes)
+                ensure_demo_model(cfg.model)
             barrier(self.acc)
         resume_dir = None if resume_from is None else self._policy_dir(resume_from)
         self.adapter = load_policy(cfg.model, cfg.lora, resume_dir, default_device())  # LoRA: models/lora.py

@@ -458,11 +458,10 @@ def run_serve(cfg: Any) -> None:
     from jobs.demo import ensure_demo_model
     from jobs.dist import default_device
     from jobs.rollout import check_for_model
-    from jobs.sft import run_sft
     from models.registry import load_model
 
     cfg.system.apply()
-    ensure_demo_model(cfg.model, run_sft)
+    ensure_demo_model(cfg.model)
     adapter = load_model(cfg.model, device=default_device())
     check_for_model("rollout", cfg.rollout, adapter)
     name = cfg.server.model_name or _folder_name(cfg.model.pretrained_model)

@@ -200,7 +200,7 @@ class SFTJob:
             self.lock = RunLock(self.root)  # released by the OS when this process ends
         resume = self._check_run_dir()
         if self.main and not resume:
-            ensure_demo_model(cfg.model, run_sft, self.acc.num_processes)
+            ensure_demo_model(cfg.model)
         barrier(self.acc)
         self.adapter = load_policy(cfg.model, cfg.lora, self.last / "policy" if resume else None,  # LoRA: lora.py
                                    default_device())

@@ -45,3 +45,27 @@ def test_eval_trains_the_missing_sft_demo_model_once(tmp_path, launcher):
     assert json.loads((cwd / "runs/sft_demo/metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
     result = json.loads((cwd / "runs/bootstrap/results.jsonl").read_text())
     assert (result["tasks"], result["responses"]) == (4, 8)  # every task, on however many processes
+
+
+@pytest.mark.parametrize(("launched", "omp", "child_omp"), [(True, "1", None), (True, "4", "4"), (False, "1", "1")])
+def test_the_sft_child_leaves_the_launch_behind(monkeypatch, launched, omp, child_omp):
+    """The child sees none of the launcher's variables, and not the one OpenMP thread torchrun gives each process
+    (the child trains alone while the launched processes wait); a thread count the user set without a launcher
+    stays."""
+    from jobs import demo
+
+    seen = {}
+    monkeypatch.setattr(demo.subprocess, "run", lambda cmd, env: seen.update(cmd=cmd, env=env) or
+                        subprocess.CompletedProcess(cmd, 0))
+    for key in demo.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    if launched:
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    demo._train_alone(["config=configs/demo/sft_demo.yaml"])
+    assert seen["env"].get("OMP_NUM_THREADS") == child_omp
+    assert not any(k in seen["env"] for k in demo.LAUNCHER_VARIABLES)
+    assert not any(k.startswith("ACCELERATE_") for k in seen["env"])
+    assert seen["cmd"][-1] == "config=configs/demo/sft_demo.yaml"
+    assert str(ROOT) in seen["env"]["PYTHONPATH"].split(os.pathsep)
