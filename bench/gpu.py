@@ -256,22 +256,6 @@ def training_rows(args, device: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------ profile
 
 
-def _count_host_syncs(device: str, run) -> int | None:
-    """Host syncs of ``run()`` by torch's sync debug mode (CUDA only)."""
-    if not device.startswith("cuda"):
-        return None
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 def profile_rows(args, device: str) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -308,7 +292,7 @@ def profile_rows(args, device: str) -> list[dict]:
                "forwards": out.stats.forwards, "wall_s": wall, "tok_s": out.stats.generated_tokens / wall,
                "device_busy_s": None if busy_us is None else busy_us / 1e6,
                "device_busy_pct": None if busy_us is None else 100 * busy_us / 1e6 / wall,
-               "kernel_launches": launches if cuda else None, "host_syncs": _count_host_syncs(device, run),
+               "kernel_launches": launches if cuda else None, "host_syncs": _host_syncs(device, run),
                "top_ms": {e.key[:60]: getattr(e, by) / 1e3 for e in top}, "table": str(table)}
         rows.append(row)
         print(f"  profile {json.dumps(row)}", flush=True)
