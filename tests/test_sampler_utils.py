@@ -289,11 +289,14 @@ class DeviceWaits:
     def _count(into: dict[str, int], what: str) -> None:
         import traceback
 
-        root = str(Path(__file__).resolve().parents[1]) + "/"
-        ours = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(root) and "/.venv/" not in f.filename
-                and f.filename != __file__]
-        where = ours[-1].filename.removeprefix(root) if ours else ""
+        root, here = Path(__file__).resolve().parents[1], Path(__file__).resolve()
+        ours = [(Path(f.filename).resolve(), f) for f in traceback.extract_stack()[:-2]]
+        ours = [(path, f) for path, f in ours if path.is_relative_to(root) and ".venv" not in path.parts
+                and path != here]
+        if not ours:
+            return
+        where, frame = ours[-1][0].relative_to(root).as_posix(), ours[-1][1]
         # the model's own CPU-only branches (models/) do not run on CUDA; on_device is pinned there
-        if where.startswith("sample/") and ours[-1].name != "on_device":
-            key = f"{what} @ {where}:{ours[-1].lineno}"
+        if where.startswith("sample/") and frame.name != "on_device":
+            key = f"{what} @ {where}:{frame.lineno}"
             into[key] = into.get(key, 0) + 1
