@@ -1,6 +1,6 @@
 """The GPU acceptance run: one command, run first whenever a GPU is at hand (no download: random models from configs).
 
-    python -m bench.gpu                          # ~12 min on one H100: prints a table, writes bench_gpu.json
+    python -m bench.gpu                          # ~15 min on one H100: prints a table, writes bench_gpu.json
     python -m bench.gpu --sections sampler --shapes sdar-4b --batches 1,128   # a part of it
     python -m bench.gpu --quick --device cpu     # the same code paths on tiny shapes (a smoke run of this script)
 
@@ -26,7 +26,9 @@
    2 steps of ``rl.py`` (full, LoRA, and QLoRA on CUDA), 2 steps of SFT, and a single-GPU DeepSpeed ZeRO-3 RL step
    (``accelerate launch``). The first run that needs the demo SFT model trains it (about a minute on an H100).
 
-5. ``profile``: where a sampler run's time goes, for the first shape at the largest batch (static decoding, eager
+5. ``serve``: ``python -m bench.serve`` on this device (SDAR-1.7B shape, bf16): 1, 8 and 32 streaming clients of
+   ``serve.py``'s app against offline batched ``generate`` (targets: 0.8x offline batch 32, 8x one client).
+6. ``profile``: where a sampler run's time goes, for the first shape at the largest batch (static decoding, eager
    and with CUDA graphs), one warm run under torch.profiler: wall time, the device's busy time (its kernels'
    sum; busy / wall says how much the host leaves it idle), kernel launches, host syncs (sync debug mode, a
    second run) and the ops with the most device time; the full table is written beside ``--out``. Not in the
@@ -423,6 +425,30 @@ def smoke_rows(args, device: str) -> list[dict]:
     return rows
 
 
+def serve_rows(args, device: str) -> list[dict]:
+    """``python -m bench.serve`` on this device (its own processes: server, clients, offline baseline), SDAR-1.7B
+    shape in bf16 (``--quick``: the CPU demo shape): 1, 8 and 32 streaming clients against offline batched
+    ``generate``; the serving targets are >= 0.8x offline batch 32 and >= 8x one client at 32 clients."""
+    quick = ["--preset", "cpu-small", "--prompts", "4", "--clients", "1,2", "--max-tokens", "8"]
+    full = ["--preset", "1.7b", "--dtype", "bfloat16", "--prompts", "32", "--clients", "1,8,32"]
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "serve.json"
+        cmd = [sys.executable, "-m", "bench.serve", "--device", device, "--rounds", "1", "--json", str(out),
+               *(quick if args.quick else full)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
+                              text=True, timeout=1800)
+        if proc.returncode != 0 or not out.is_file():
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return [{"error": (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300],
+                     "command": " ".join(cmd)}]
+        result = json.loads(out.read_text())
+    rows = [{"preset": result["preset"], "offline_batch_tok_s": result["offline_batch_tok_s"], **level}
+            for level in result["levels"]]
+    for row in rows:
+        print(f"  serve {json.dumps(row)}", flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------ report
 
 
@@ -458,6 +484,13 @@ def report(result: dict) -> str:
             lines.append(f"  {r['shape']} batch {r['batch']} {r['mode']:<6}: {r['wall_s']:.2f} s{busy}, "
                          f"{r['kernel_launches']} launches, {r['host_syncs']} host syncs in {r['forwards']} "
                          f"forwards; top: " + ", ".join(f"{k} {v:.0f} ms" for k, v in list(r["top_ms"].items())[:3]))
+    if result.get("serve"):
+        lines.append("serving (streaming clients vs offline batched generate; targets 0.8x batch, 8x one client):")
+        for r in result["serve"]:
+            lines.append(f"  FAILED {r['error']}" if "error" in r else
+                         f"  {r['preset']} {r['clients']:>3} clients: {r['tok_s']:9.1f} tok/s, first text p50 "
+                         f"{r['ttft_p50']:.3f} s, {r['vs_batch']:.2f}x offline batch, "
+                         f"{r['vs_one_client']:.2f}x one client")
     lines.append("smoke runs:")
     for r in result.get("smoke", []):
         lines.append(f"  {r['run']:<24} {'ok' if r['ok'] else 'FAILED ' + r['error']} ({r['seconds']:.0f} s)")
@@ -465,8 +498,8 @@ def report(result: dict) -> str:
 
 
 SECTIONS = {"sampler": sampler_rows, "fuse": fuse_rows, "training": training_rows, "moe": moe_rows,
-            "smoke": smoke_rows, "profile": profile_rows}
-DEFAULT_SECTIONS = ["sampler", "fuse", "training", "moe", "smoke"]
+            "smoke": smoke_rows, "serve": serve_rows, "profile": profile_rows}
+DEFAULT_SECTIONS = ["sampler", "fuse", "training", "moe", "smoke", "serve"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(result))
     failed = ([r for r in result.get("training", []) if "error" in r]
               + [r for r in result.get("sampler", []) if "graphs_error" in r]
-              + [r for r in result.get("smoke", []) if not r["ok"]])
+              + [r for r in result.get("smoke", []) if not r["ok"]]
+              + [r for r in result.get("serve", []) if "error" in r])
     print(f"{len(failed)} failure(s); numbers in {args.out}")
     return 1 if failed else 0
 

@@ -202,7 +202,7 @@ def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cpu")
@@ -213,7 +213,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each variant is shown")
-    args = ap.parse_args()
+    ap.add_argument("--json", default=None, help="also write the figures here (bench.gpu's serve section reads it)")
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(hardware_line(args.device))
@@ -242,8 +243,15 @@ def main() -> None:
           f"{'vs batch':>10}{'vs 1 client':>13}{'client CPU':>12}")
     one = next((r["tok_s"] for r in rows if r["clients"] == 1), rows[0]["tok_s"])
     for r in rows:
+        r.update(vs_batch=r["tok_s"] / batch_tok_s, vs_one_client=r["tok_s"] / one)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"preset": args.preset, "device": args.device, "dtype": args.dtype, "prompts": args.prompts,
+                       "max_tokens": args.max_tokens, "offline_batch_tok_s": batch_tok_s,
+                       "offline_one_at_a_time_tok_s": loop_tok_s, "levels": rows}, out, indent=1)
+    for r in rows:
         print(f"{r['clients']:>8}{r['tok_s']:>10.1f}{r['ttft_p50']:>10.3f}s{r['ttft_p95']:>10.3f}s"
-              f"{r['end_p50']:>9.3f}s{r['end_p95']:>9.3f}s{r['tok_s'] / batch_tok_s:>9.2f}x{r['tok_s'] / one:>12.2f}x"
+              f"{r['end_p50']:>9.3f}s{r['end_p95']:>9.3f}s{r['vs_batch']:>9.2f}x{r['vs_one_client']:>12.2f}x"
               f"{100 * r['client_cpu']:>11.0f}%")
 
 

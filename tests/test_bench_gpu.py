@@ -45,3 +45,13 @@ def test_the_profile_section_writes_where_the_time_goes(tmp_path):
     assert all(r["device_busy_s"] is None and r["host_syncs"] is None for r in rows)  # CUDA-only figures
     for mode in ("eager", "graphs"):
         assert "Self CPU" in (tmp_path / f"bench_gpu.profile_{mode}.txt").read_text()
+
+
+def test_the_serve_section_reads_bench_serve_figures(tmp_path):
+    out = tmp_path / "bench_gpu.json"
+    assert gpu.main(["--quick", "--device", "cpu", "--sections", "serve", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["serve"]
+    assert [r["clients"] for r in rows] == [1, 2]
+    assert all(r["tok_s"] > 0 and r["offline_batch_tok_s"] > 0 for r in rows)
+    assert all(r["vs_batch"] == pytest.approx(r["tok_s"] / r["offline_batch_tok_s"]) for r in rows)
+    assert rows[0]["vs_one_client"] == 1.0
