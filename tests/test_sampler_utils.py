@@ -290,7 +290,8 @@ class DeviceWaits:
         import traceback
 
         root, here = Path(__file__).resolve().parents[1], Path(__file__).resolve()
-        ours = [(Path(f.filename).resolve(), f) for f in traceback.extract_stack()[:-2]]
+        frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith("<")]  # not <frozen ...>
+        ours = [(Path(f.filename).resolve(), f) for f in frames]
         ours = [(path, f) for path, f in ours if path.is_relative_to(root) and ".venv" not in path.parts
                 and path != here]
         if not ours:
