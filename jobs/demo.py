@@ -8,11 +8,13 @@ the SFT job can use this module too without an import circle.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from core.entry import Terminated, launched
 from jobs.config import DEMO_MODEL_DIRS
 from models.registry import ModelLoadError
 
@@ -57,15 +59,34 @@ def _train_alone(args: list[str]) -> None:
     whose other processes are waiting for the model at a barrier, and take the group down when it ends; in any job
     it would load a second config into the job's process (the loader keeps how the job's keys were spelled, for its
     errors, per process)."""
-    launched = any(k in os.environ for k in LAUNCHER_VARIABLES)
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARIABLES and not k.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
-    if launched and env.get("OMP_NUM_THREADS") == "1":
+    if launched() and env.get("OMP_NUM_THREADS") == "1":
         del env["OMP_NUM_THREADS"]  # torchrun's one thread per process; the child trains alone while the rest wait
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     code = ("import sys; from core.entry import run_job; from jobs.config import load_config; from jobs.sft import "
             "run_sft; sys.exit(run_job(lambda: run_sft(load_config(sys.argv[1:], 'sft'))))")
-    returncode = subprocess.run([sys.executable, "-c", code, *args], env=env).returncode
+    child = subprocess.Popen([sys.executable, "-c", code, *args], env=env)
+    try:
+        returncode = child.wait()
+    except KeyboardInterrupt as err:
+        _stop(child, signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
+        raise
     if returncode != 0:
         raise ModelLoadError(f"training the demo's starting model failed (exit code {returncode}); to see why, run "
                              f"the SFT alone: python train/sft_sdar.py {' '.join(args)}")
+
+
+def _stop(child: subprocess.Popen, signum: int, grace: float = 60.0) -> None:
+    """The job was interrupted while the SFT child trains: let the child end its run as an interrupted job does,
+    killing it only if it hangs. A terminal's Ctrl-C reaches the child's process group too, so after SIGINT the
+    child is given time to stop by itself before the signal is passed on; SIGTERM was sent to the job alone."""
+    try:
+        child.wait(timeout=10.0 if signum == signal.SIGINT else 0.0)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signum)
+        try:
+            child.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

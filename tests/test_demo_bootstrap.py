@@ -55,8 +55,15 @@ def test_the_sft_child_leaves_the_launch_behind(monkeypatch, launched, omp, chil
     from jobs import demo
 
     seen = {}
-    monkeypatch.setattr(demo.subprocess, "run", lambda cmd, env: seen.update(cmd=cmd, env=env) or
-                        subprocess.CompletedProcess(cmd, 0))
+
+    class Child:
+        def __init__(self, cmd, env):
+            seen.update(cmd=cmd, env=env)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(demo.subprocess, "Popen", Child)
     for key in demo.LAUNCHER_VARIABLES:
         monkeypatch.delenv(key, raising=False)
     if launched:
@@ -69,3 +76,41 @@ def test_the_sft_child_leaves_the_launch_behind(monkeypatch, launched, omp, chil
     assert not any(k.startswith("ACCELERATE_") for k in seen["env"])
     assert seen["cmd"][-1] == "config=configs/demo/sft_demo.yaml"
     assert str(ROOT) in seen["env"]["PYTHONPATH"].split(os.pathsep)
+
+
+@pytest.mark.parametrize(("interrupt", "forwarded"), [("term", "SIGTERM"), ("int", "SIGINT")])
+def test_an_interrupted_job_lets_its_sft_child_stop_cleanly(monkeypatch, interrupt, forwarded):
+    """SIGTERM to the job (core.entry turns it into Terminated) is passed on to the SFT child at once; after Ctrl-C
+    the child, which got it from the terminal too, has time to stop by itself, then it is passed on; the job's
+    interrupt goes on up (its run is marked interrupted)."""
+    import signal
+
+    from core.entry import Terminated
+    from jobs import demo
+
+    calls = []
+
+    class Child:
+        def __init__(self, cmd, env):
+            self.waits = 0
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            calls.append(("wait", timeout))
+            if self.waits == 1:
+                raise Terminated() if interrupt == "term" else KeyboardInterrupt()
+            if self.waits == 2:  # the child did not stop by itself in time
+                raise subprocess.TimeoutExpired("sft", timeout)
+            return 130
+
+        def send_signal(self, signum):
+            calls.append(("signal", signum))
+
+        def kill(self):
+            calls.append(("kill", None))
+
+    monkeypatch.setattr(demo.subprocess, "Popen", Child)
+    with pytest.raises(KeyboardInterrupt):
+        demo._train_alone(["config=configs/demo/sft_demo.yaml"])
+    first_wait = 0.0 if interrupt == "term" else 10.0
+    assert calls == [("wait", None), ("wait", first_wait), ("signal", getattr(signal, forwarded)), ("wait", 60.0)]
