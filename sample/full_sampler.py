@@ -332,22 +332,23 @@ class WindowCachedFullSampler(FullSampler):
             return self._refresh(None, cols)
         if not refresh:
             return self._window(None, cols)
-        g1 = on_device(refresh, self.device)
-        g2 = on_device([i for i in range(len(self.running)) if self.running[i].t_block], self.device)
-        h2 = self._window(g2, cols[g2])  # reads the old cache rows of g2 before g1's rows are replaced
-        h1 = self._refresh(g1, cols[g1])
+        going_on = [i for i in range(len(self.running)) if self.running[i].t_block]
+        g1, g2 = on_device(refresh, self.device), on_device(going_on, self.device)
+        h2 = self._window(g2, cols[g2], going_on)  # reads the old cache rows of g2 before g1's rows are replaced
+        h1 = self._refresh(g1, cols[g1], refresh)
         out = h1.new_empty(len(self.running), *h1.shape[1:])
         out[g1], out[g2] = h1, h2
         return out
 
-    def _window_bounds(self, rows: Tensor | None) -> tuple[Tensor, Tensor, int]:
-        """Per-row window [start, end) in canvas columns and the common (padded) window width."""
+    def _window_bounds(self, rows: Tensor | None, host_rows: list[int] | None) -> tuple[Tensor, Tensor, int]:
+        """Per-row window [start, end) in canvas columns and the common (padded) window width (``host_rows``:
+        ``rows`` as the host knows them, so nothing is read back from the device)."""
         blk = self.blk if rows is None else self.blk[rows]
         start = (self.width + blk * self.bl - self.shift).clamp(min=0)
         block_end = self.width + (blk + 1) * self.bl
         horizon = self.params.further_horizon if self.params.cache == "prefix" else 0
         end = (block_end + horizon).clamp(max=self.canvas.shape[1])
-        host_rows = range(len(self.running)) if rows is None else rows.tolist()
+        host_rows = range(len(self.running)) if rows is None else host_rows
         widths = [min(self.width + (self.running[i].blk + 1) * self.bl + horizon, self.canvas.shape[1])
                   - self._window_start(self.running[i].blk) for i in host_rows]
         return start, end, max(widths)
@@ -355,17 +356,17 @@ class WindowCachedFullSampler(FullSampler):
     def _window_start(self, blk: int) -> int:
         return max(self.width + blk * self.bl - self.shift, 0)
 
-    def _refresh(self, rows: Tensor | None, cols: Tensor) -> Tensor:
+    def _refresh(self, rows: Tensor | None, cols: Tensor, host_rows: list[int] | None = None) -> Tensor:
         """Full forward of the rows' canvas (their block's first step); keep K/V outside the window."""
         sel = (lambda t: t) if rows is None else (lambda t: t[rows])
         cache = BatchKVCache(self.num_layers)
         hidden = self._forward(sel(self.canvas), sel(self.pos), sel(self.valid), cache, store_kv=True)
-        start, end, _ = self._window_bounds(rows)
+        start, end, _ = self._window_bounds(rows, host_rows)
         col = torch.arange(cache.length, device=self.device)[None, :]
         if self.params.cache == "prefix":
             cache.valid = cache.valid & (col < start[:, None])
-            host_rows = range(len(self.running)) if rows is None else rows.tolist()
-            cache.truncate(max(self._window_start(self.running[i].blk) for i in host_rows))
+            cache.truncate(max(self._window_start(self.running[i].blk)
+                               for i in (range(len(self.running)) if rows is None else host_rows)))
         else:
             cache.valid = cache.valid & ((col < start[:, None]) | (col >= end[:, None]))
         if rows is None:
@@ -374,9 +375,9 @@ class WindowCachedFullSampler(FullSampler):
             self.cache = self.cache.replace_rows(rows, cache)
         return _gather_rows(hidden, cols)
 
-    def _window(self, rows: Tensor | None, cols: Tensor) -> Tensor:
+    def _window(self, rows: Tensor | None, cols: Tensor, host_rows: list[int] | None = None) -> Tensor:
         """Forward of the rows' windows against their cached K/V (cache read only)."""
-        start, end, width = self._window_bounds(rows)
+        start, end, width = self._window_bounds(rows, host_rows)
         idx = start[:, None] + torch.arange(width, device=self.device)
         inside = idx < end[:, None]
         idx = idx.clamp(max=self.canvas.shape[1] - 1)

@@ -272,7 +272,7 @@ class DeviceWaits:
                 elif func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
                     waits._count(waits.copies, "torch.tensor(device=)")
                 elif name == "to" and (kwargs.get("device") is not None or any(
-                        isinstance(a, (str, torch.device)) for a in args[1:])) and not kwargs.get("non_blocking"):
+                        isinstance(a, (str, torch.device)) for a in args[1:])):  # from pageable memory: blocking
                     waits._count(waits.copies, ".to(device)")
                 return func(*args, **kwargs)
 
@@ -292,8 +292,8 @@ class DeviceWaits:
         root, here = Path(__file__).resolve().parents[1], Path(__file__).resolve()
         frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith("<")]  # not <frozen ...>
         ours = [(Path(f.filename).resolve(), f) for f in frames]
-        ours = [(path, f) for path, f in ours if path.is_relative_to(root) and ".venv" not in path.parts
-                and path != here]
+        ours = [(path, f) for path, f in ours if path.is_relative_to(root) and path != here
+                and not any(path.is_relative_to(lib) for lib in _library_dirs())]
         if not ours:
             return
         where, frame = ours[-1][0].relative_to(root).as_posix(), ours[-1][1]
@@ -301,3 +301,11 @@ class DeviceWaits:
         if where.startswith("sample/") and frame.name != "on_device":
             key = f"{what} @ {where}:{frame.lineno}"
             into[key] = into.get(key, 0) + 1
+
+
+def _library_dirs() -> list[Path]:
+    """Where installed code lives (the standard library, site-packages, torch), wherever the virtualenv is."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return [Path(paths[k]).resolve() for k in ("stdlib", "purelib", "platlib")] + [Path(torch.__file__).parent]
