@@ -28,11 +28,11 @@
 
 5. ``serve``: ``python -m bench.serve`` on this device (SDAR-1.7B shape, bf16): 1, 8 and 32 streaming clients of
    ``serve.py``'s app against offline batched ``generate`` (targets: 0.8x offline batch 32, 8x one client).
-6. ``profile``: where a sampler run's time goes, for the first shape at the largest batch (static decoding, eager
-   and with CUDA graphs), one warm run under torch.profiler: wall time, the device's busy time (its kernels'
-   sum; busy / wall says how much the host leaves it idle), kernel launches, host syncs (sync debug mode, a
-   second run) and the ops with the most device time; the full table is written beside ``--out``. Not in the
-   default sections: run ``--sections profile`` after ``sampler`` when the throughput falls short.
+6. ``profile``: where a sampler run's time goes, for the last shape (SDAR-4B by default) at the largest batch
+   (static decoding, eager and with CUDA graphs), one warm run under torch.profiler: wall time, the device's busy
+   time (its kernels' sum; busy / wall says how much the host leaves it idle), kernel launches, host syncs (sync
+   debug mode, another run) and the kernels with the most device time; the full table is written beside
+   ``--out``. Not in the default sections: ``--sections profile --batches 128`` when the throughput falls short.
 
 ``--sections`` runs some of them (a GPU lease may not hold them all); the JSON is rewritten after each section, so a
 run stopped at its time limit keeps what it measured. Any failure is printed with its command and makes the exit
@@ -258,14 +258,18 @@ def training_rows(args, device: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------ profile
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
 def profile_rows(args, device: str) -> list[dict]:
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from sample.generate import generate
     from sample.params import SamplingParams
 
     cuda = device.startswith("cuda")
-    shape, batch, tokens = args.shapes[0], max(args.batches), min(args.tokens, 64)
+    shape, batch, tokens = args.shapes[-1], max(args.batches), min(args.tokens, 64)
     adapter = build_adapter(shape, device, args.dtype)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),), generator=g).tolist()
@@ -284,12 +288,14 @@ def profile_rows(args, device: str) -> list[dict]:
             _sync(device)
             wall = time.perf_counter() - start
         events = prof.key_averages()
-        busy_us = sum(e.self_device_time_total for e in events) if cuda else None
-        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch"))
+        # the device's own events (kernels, copies): a CPU op's device time repeats its kernels'
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        busy_us = sum(e.self_device_time_total for e in kernels) if cuda else None
+        launches = sum(e.count for e in events if e.key in LAUNCH_CALLS)
         by = "self_device_time_total" if cuda else "self_cpu_time_total"
         table = Path(args.out).with_suffix(f".profile_{mode}.txt")
         table.write_text(events.table(sort_by=by, row_limit=30))
-        top = sorted(events, key=lambda e: getattr(e, by), reverse=True)[:6]
+        top = sorted(kernels if cuda else events, key=lambda e: getattr(e, by), reverse=True)[:6]
         row = {"shape": shape, "batch": batch, "mode": mode, "tokens": out.stats.generated_tokens,
                "forwards": out.stats.forwards, "wall_s": wall, "tok_s": out.stats.generated_tokens / wall,
                "device_busy_s": None if busy_us is None else busy_us / 1e6,
@@ -405,15 +411,25 @@ def smoke_commands(tmp: Path, quick: bool) -> dict[str, list[str]]:
     }
 
 
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` from the repository root, output captured; past ``timeout`` it is killed and reported as failed (one
+    hung run must not take the rest of the acceptance run with it)."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+        return subprocess.CompletedProcess(cmd, -1, out, f"timed out after {timeout:.0f} s")
+
+
 def smoke_rows(args, device: str) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for name, cmd in smoke_commands(Path(d), args.quick).items():
             if (name.startswith("ZeRO-3") or "QLoRA" in name) and not device.startswith("cuda"):
                 continue  # the CPU ZeRO-3 path has its own 2-process tests; QLoRA is CUDA only
-            env = dict(os.environ, PYTHONWARNINGS="ignore")
             start = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+            proc = _run(cmd, timeout=1800)
             row = {"run": name, "ok": proc.returncode == 0, "seconds": time.perf_counter() - start,
                    "last_line": (proc.stdout.strip().splitlines() or [""])[-1][:300]}  # e.g. the step's timings
             if proc.returncode != 0:
@@ -435,8 +451,7 @@ def serve_rows(args, device: str) -> list[dict]:
         out = Path(d) / "serve.json"
         cmd = [sys.executable, "-m", "bench.serve", "--device", device, "--rounds", "1", "--json", str(out),
                *(quick if args.quick else full)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
-                              text=True, timeout=1800)
+        proc = _run(cmd, timeout=900)
         if proc.returncode != 0 or not out.is_file():
             print(proc.stderr[-3000:], file=sys.stderr)
             return [{"error": (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300],

@@ -55,3 +55,10 @@ def test_the_serve_section_reads_bench_serve_figures(tmp_path):
     assert all(r["tok_s"] > 0 and r["offline_batch_tok_s"] > 0 for r in rows)
     assert all(r["vs_batch"] == pytest.approx(r["tok_s"] / r["offline_batch_tok_s"]) for r in rows)
     assert rows[0]["vs_one_client"] == 1.0
+
+
+def test_a_hung_run_is_a_failed_row_not_the_end_of_the_acceptance_run():
+    import sys
+
+    proc = gpu._run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"], timeout=2)
+    assert proc.returncode != 0 and proc.stderr == "timed out after 2 s" and "started" in proc.stdout
