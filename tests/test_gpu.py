@@ -79,16 +79,20 @@ def test_cuda_graphs_give_the_eager_tokens(demo_tokenizer, monkeypatch):
     assert all(len(t.response_ids) == 12 for t in bf16)
 
 
-def test_a_decode_step_rarely_waits_for_the_device(demo_tokenizer):
+@pytest.mark.parametrize(("model_base", "extra"), [  # full attention: prefix cache, rows joining mid-block
+    ("sdar", {}), ("llada", {"block_size": 4, "steps": 16, "cache": "prefix", "max_active": 4, "max_tokens": 30})])
+def test_a_decode_step_rarely_waits_for_the_device(demo_tokenizer, model_base, extra):
     """A denoising step syncs the host twice: to find the still-masked positions (the LM head runs there) and at
     its end (finished blocks, degenerate logits); admission, graph captures and finished blocks add a few. Counted
     by torch's sync debug mode (on an H100 the step synced ~13 times before the masked positions were found once,
     and still 292 times in this test's 36 forwards before row indices went to the device from pinned memory and
-    finished rows were reset with index_fill_; tests/test_sampler_block.py pins those sites on CPU)."""
+    finished rows were reset with index_fill_; tests/test_sampler_block.py and test_sampler_full.py pin those sites
+    on CPU)."""
     import warnings
 
-    params = SamplingParams(max_tokens=32, temperature=1.0, stop_token_ids=[], ignore_eos=True, seed=0)
-    adapter = on(sharp_tiny("sdar", demo_tokenizer, seed=1), "cuda")
+    params = SamplingParams(**{"max_tokens": 32, "temperature": 1.0, "stop_token_ids": [], "ignore_eos": True,
+                               "seed": 0, **extra})
+    adapter = on(sharp_tiny(model_base, demo_tokenizer, seed=1), "cuda")
     generate(adapter, prompts_of(), params, progress=False)  # kernels and allocator warm
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
