@@ -80,7 +80,8 @@ def test_cuda_graphs_give_the_eager_tokens(demo_tokenizer, monkeypatch):
 
 
 @pytest.mark.parametrize(("model_base", "extra"), [  # full attention: prefix cache, rows joining mid-block
-    ("sdar", {}), ("llada", {"block_size": 4, "steps": 16, "cache": "prefix", "max_active": 4, "max_tokens": 30})])
+    ("sdar", {}), ("llada", {"block_size": 4, "steps": 16, "cache": "prefix", "further_horizon": 2, "max_active": 4,
+                "max_tokens": 30})])
 def test_a_decode_step_rarely_waits_for_the_device(demo_tokenizer, model_base, extra):
     """A denoising step syncs the host twice: to find the still-masked positions (the LM head runs there) and at
     its end (finished blocks, degenerate logits); admission, graph captures and finished blocks add a few. Counted
