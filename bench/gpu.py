@@ -96,6 +96,13 @@ def _sync(device: str) -> None:
 # ------------------------------------------------------------------------------------------ sampler
 
 
+def _random_prompts(n: int, g: torch.Generator) -> list[list[int]]:
+    """``n`` prompts of 16-63 ids from the plain BPE range, drawn from ``g`` (mixed lengths: blocks start at
+    different offsets)."""
+    return [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
 def _generate_twice(adapter, prompts: list[list[int]], params, device: str) -> tuple[object, list[float]]:
     """(RolloutStats of the second run, [cold wall, warm wall]). On an H100 a cold batch-128 run was 2.6-3x slower
     than the same run warm (its kernels, its allocator segments for the growing KV cache); rollouts repeat, so the
@@ -140,8 +147,7 @@ def sampler_rows(args, device: str) -> list[dict]:
                                 ignore_eos=True, stop_token_ids=[], remasking_strategy=strategy,
                                 dynamic_threshold=0.9, max_active=max(args.batches), cuda_graphs=False)  # eager
             for batch in args.batches:
-                prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),),
-                                         generator=g).tolist() for _ in range(batch)]
+                prompts = _random_prompts(batch, g)
                 stats, walls = _generate_twice(adapter, prompts, sp, device)
                 wall = walls[-1]
                 tok_s = stats.generated_tokens / wall
@@ -178,8 +184,7 @@ def fuse_rows(args, device: str) -> list[dict]:
     rows, saved, share = [], dict(block_sampler.FUSE_MAX_TOKENS), block_sampler.FUSE_CARRYING_SHARE
     try:
         for batch in args.batches:
-            prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),),
-                                     generator=g).tolist() for _ in range(batch)]
+            prompts = _random_prompts(batch, g)
             speed = {}
             for mode, limit in (("fused", 1 << 30), ("separate", 0)):  # separate: unless every row carries one
                 block_sampler.FUSE_MAX_TOKENS.update(cuda=limit, cpu=limit)
@@ -272,8 +277,7 @@ def profile_rows(args, device: str) -> list[dict]:
     shape, batch, tokens = args.shapes[-1], max(args.batches), min(args.tokens, 64)
     adapter = build_adapter(shape, device, args.dtype)
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(10, 400, (int(torch.randint(16, 64, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(batch)]
+    prompts = _random_prompts(batch, g)
     rows = []
     for mode, graphs in (("eager", False), ("graphs", True)):
         sp = SamplingParams(max_tokens=tokens, denoising_steps=4, temperature=1.0, seed=0, ignore_eos=True,
