@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -303,6 +304,7 @@ class DeviceWaits:
             into[key] = into.get(key, 0) + 1
 
 
+@functools.cache
 def _library_dirs() -> list[Path]:
     """Where installed code lives (the standard library, site-packages, torch), wherever the virtualenv is."""
     import sysconfig
