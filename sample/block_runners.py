@@ -10,16 +10,20 @@ static-shape path runs eagerly: what the tests pin). ``RecomputeRunner`` is the 
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from models.common import AttentionLayout, stored_columns
-from sample.engine import RolloutStats
+from sample.engine import RolloutStats, on_device
 from sample.kv_batch import BatchKVCache, StaticKVCache
 
 PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
+# Distinct prompt prefixes whose prefill is kept for later admissions: an RL group's n copies of a prompt join the
+# batch over several steps as rows free up, and each copy after the first reuses the prefill instead of redoing it.
+PREFIX_MEMORY = 16
 REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a repack
 # Padded batch sizes of graphed forwards: a few graphs cover every batch, padding at most a third of the rows
 # past 16 (as vLLM / nano-vllm bucket theirs).
@@ -64,12 +68,43 @@ class CachedRunner:
     def __init__(self, adapter, block_size: int, stats: RolloutStats):
         self.adapter, self.b, self.stats = adapter, block_size, stats
         self.num_layers = len(adapter.new_cache().keys)
+        self.device = next(adapter.model.parameters()).device
         self.cache: BatchKVCache | None = None
+        self.memory: OrderedDict[tuple[int, ...], BatchKVCache] = OrderedDict()  # prefix -> its one-row prefill
 
-    def admit(self, prefixes: list[Tensor]) -> None:
+    def admit(self, prefixes: list[list[int]]) -> None:
         """Prefill the complete prompt blocks of new rows and append the rows to the batch cache."""
-        for chunk in _chunks(prefixes, PREFILL_TOKENS):
-            self.cache = BatchKVCache.join(self.cache, self._prefill(chunk))
+        self.cache = BatchKVCache.join(self.cache, self._prefilled(prefixes))
+
+    def _prefilled(self, prefixes: list[list[int]]) -> BatchKVCache:
+        """The cache rows of ``prefixes`` (token ids), one forward per distinct prefix: copies of a prompt (an RL
+        group's samples, a request's n choices) share it, within this admission and with the last
+        ``PREFIX_MEMORY`` distinct prefixes of earlier ones."""
+        keys = [tuple(p) for p in prefixes]
+        distinct = list(dict.fromkeys(keys))
+        new = [k for k in distinct if k not in self.memory]
+        parts = [self._prefill(chunk) for chunk in _chunks([on_device(list(k), self.device) for k in new],
+                                                           PREFILL_TOKENS)] if new else []
+        pool_keys = new + [k for k in distinct if k in self.memory]
+        parts += [self.memory[k] for k in pool_keys[len(new):]]
+        # a kept prefill is copied into the pool: the batch cache built from it is written to by later forwards
+        pool = parts[0] if len(parts) == 1 and new else BatchKVCache.concat_rows(parts)
+        self._remember(pool, pool_keys)
+        if pool_keys == keys:
+            return pool
+        where = {k: j for j, k in enumerate(pool_keys)}
+        return pool.select_rows(on_device([where[k] for k in keys], self.device))
+
+    def _remember(self, pool: BatchKVCache, keys: list[tuple[int, ...]]) -> None:
+        """Keep (a copy of) the prefill of the last ``PREFIX_MEMORY`` of ``keys``, rows of ``pool`` in that order."""
+        if pool.keys[0] is None:
+            return  # nothing was prefilled (prompts shorter than a block): nothing to reuse
+        for j in range(max(0, len(keys) - PREFIX_MEMORY), len(keys)):
+            if keys[j] not in self.memory:
+                self.memory[keys[j]] = pool.row_copy(j, len(keys[j]))
+            self.memory.move_to_end(keys[j])
+        while len(self.memory) > PREFIX_MEMORY:
+            self.memory.popitem(last=False)
 
     def _prefill(self, prefixes: list[Tensor]) -> BatchKVCache:
         device = prefixes[0].device
@@ -138,12 +173,11 @@ class StaticRunner(CachedRunner):
         self.captured: dict[tuple[int, int, bool | int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.pool = None
 
-    def admit(self, prefixes: list[Tensor]) -> None:
-        for chunk in _chunks(prefixes, PREFILL_TOKENS):
-            cache = self._prefill(chunk)
-            self._fit(self.rows + len(chunk), cache)
-            self.store.place(self.rows, cache)
-            self.rows += len(chunk)
+    def admit(self, prefixes: list[list[int]]) -> None:
+        cache = self._prefilled(prefixes)
+        self._fit(self.rows + len(prefixes), cache)
+        self.store.place(self.rows, cache)
+        self.rows += len(prefixes)
 
     def _fit(self, rows: int, prefill: BatchKVCache) -> None:
         """Make the cache hold ``rows`` rows and the prefilled prompts (with their responses where affordable)."""
@@ -263,10 +297,11 @@ class RecomputeRunner:
 
     def __init__(self, adapter, block_size: int, stats: RolloutStats):
         self.adapter, self.b, self.stats = adapter, block_size, stats
+        self.device = next(adapter.model.parameters()).device
         self.prefixes: list[Tensor] = []
 
-    def admit(self, prefixes: list[Tensor]) -> None:
-        self.prefixes.extend(prefixes)
+    def admit(self, prefixes: list[list[int]]) -> None:
+        self.prefixes.extend(on_device(p, self.device) for p in prefixes)
 
     def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
              fused: bool = True) -> Tensor:

@@ -183,7 +183,7 @@ class BlockSampler:
             prompt = seq.prompt
             cut = (len(prompt) // self.b) * self.b
             tail = prompt[cut:]
-            prefixes.append(on_device(prompt[:cut], self.device))
+            prefixes.append(prompt[:cut])
             blocks.append(tail + [self.adapter.mask_id] * (self.b - len(tail)))
             starts.append(cut)
             tails.append(len(tail))

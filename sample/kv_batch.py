@@ -25,6 +25,15 @@ class BatchKVCache(KVCache):
         out.valid = None if self.valid is None else self.valid.index_select(0, rows)
         return out.compact()
 
+    def row_copy(self, row: int, n: int) -> BatchKVCache:
+        """A one-row cache holding a copy of row ``row``'s first ``n`` columns (its own storage: keeping it does not
+        keep this cache's tensors alive)."""
+        out = BatchKVCache(len(self.keys))
+        out.keys = [None if k is None else k[row:row + 1, :, :n].clone() for k in self.keys]
+        out.values = [None if v is None else v[row:row + 1, :, :n].clone() for v in self.values]
+        out.valid = self.valid[row:row + 1, :n].clone()
+        return out
+
     def compact(self) -> BatchKVCache:
         """Drop leading columns that no row uses (left behind by rows that left the batch)."""
         if self.valid is None or self.valid.shape[1] == 0:

@@ -60,6 +60,54 @@ def test_cache_and_no_cache_give_identical_tokens(sdar):
     assert slow.stats.forwards < cached.stats.forwards  # no prefill / commit passes without a cache
 
 
+@pytest.mark.parametrize("memory, prefilled", [(16, 2), (1, 3)])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_copies_of_a_prompt_share_one_prefill(sdar, monkeypatch, memory, prefilled, graphs):
+    """An RL group samples one prompt n times: each distinct prompt prefix is prefilled once, also when its copies
+    join the batch at different steps (kept for the next admissions up to PREFIX_MEMORY distinct prefixes), and
+    every copy decodes exactly as without a cache. With room for one prefix, p q p prefills p again."""
+    from sample import block_runners
+
+    p, q = [pr for pr in prompts_of() if len(pr) >= 2 * B][:2]
+    rows = []
+    prefill = block_runners.CachedRunner._prefill
+    monkeypatch.setattr(block_runners.CachedRunner, "_prefill",
+                        lambda self, chunk: rows.extend(map(len, chunk)) or prefill(self, chunk))
+    monkeypatch.setattr(block_runners, "PREFIX_MEMORY", memory)
+    prompts = [p, p, p, q, q, p, p]  # max_active 2: copies of p join at four different admissions
+    params = _greedy(max_active=2, cuda_graphs=graphs)
+    cached = generate(sdar, prompts, params, progress=False)
+    slow = generate(sdar, prompts, replace(params, cache="none", cuda_graphs=False), progress=False)
+    assert [_key(t) for t in cached] == [_key(t) for t in slow]
+    for c, s in zip(cached, slow):
+        assert c.logprobs == pytest.approx(s.logprobs, abs=1e-4)
+    assert len(rows) == prefilled
+    assert sorted(set(rows)) == sorted({len(p) // B * B, len(q) // B * B})
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_prompt_asked_again_after_the_batch_emptied_decodes_the_same(sdar, graphs):
+    """A server's engine lives on between requests: a prompt whose prefill was kept comes back to an empty batch
+    and the kept prefill must still be the prompt's (not the cache that later forwards wrote to)."""
+    from sample.engine import Engine, Sequence
+    from sample.generate import make_sampler
+
+    p = next(pr for pr in prompts_of() if len(pr) >= 2 * B)
+    params = _greedy(cuda_graphs=graphs)
+    sampler = make_sampler(sdar, params, set(), None, torch.Generator().manual_seed(0))
+    engine, runs = Engine(sampler, 4), []
+    with torch.inference_mode():
+        for i in range(3):
+            engine.add(Sequence(i, p, 14))
+            done = []
+            while engine.busy:
+                done += engine.step()
+            runs.append((done[0].response, done[0].steps))
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0][0] == generate(sdar, [p], replace(params, cache="none", cuda_graphs=False),
+                                  progress=False)[0].response_ids
+
+
 @pytest.mark.parametrize("share, extra_forwards", [(0.5, 1), (1.0, 5)])
 def test_a_row_that_joins_a_step_late_is_put_back_in_phase(sdar, monkeypatch, share, extra_forwards):
     """A server admits requests between steps, so a row may start a step after the others. Storing finished blocks
@@ -354,7 +402,7 @@ def test_padding_rows_never_leak_into_real_rows_or_the_cache(sdar):
     from sample.engine import RolloutStats
 
     prompts = [p for p in prompts_of() if len(p) >= B][:3]
-    prefixes = [torch.tensor(p[: len(p) // B * B]) for p in prompts]
+    prefixes = [p[: len(p) // B * B] for p in prompts]
     tokens = torch.full((3, B), sdar.mask_id)
     tokens[:, 0] = torch.tensor([p[-1] for p in prompts])
     positions = torch.tensor([len(p) for p in prefixes])[:, None] + torch.arange(B)
