@@ -5,6 +5,7 @@
     python -m bench.sampler --device cuda --preset 1.7b --batch 64
     python -m bench.sampler --baseline 428247e       # also run the same measurements on an older commit
     python -m bench.sampler --compare-dtypes         # fp32 / fp32 under bf16 autocast / bf16, interleaved rounds
+    python -m bench.sampler --preset 135m --batch 128 --group 16 --max-tokens 32   # RL groups: shared prefills
 
 Prints the hardware first, then tokens/s and tokens per forward for: our sampler at batch 1 and batch N, the
 no-cache reference path (``cache="none"``: recompute the whole sequence every step) at batch 1 and batch N, and
@@ -21,6 +22,10 @@ the code of commit REF too, in a subprocess over a temporary ``git worktree`` (s
 machine) that answers one run at a time: every run of ours is paired with a run of REF made just before or just
 after it (the order alternates by round), and the median of the paired ratios is printed next to best-of-rounds.
 On a shared machine whose load changes within minutes, runs a few minutes apart differ by 20-30%.
+
+``--group K``: the RL rollout's workload, ``--batch`` / K prompts sampled K times each (a task's group), all rows
+admitted at once up to ``--max-active``; the sampler prefills each distinct prompt once and keeps the last few for
+copies admitted later. Measured against every copy prefilled for itself (the code before), in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -225,6 +230,54 @@ def compare_dtypes(args: argparse.Namespace) -> None:
         print(f"{key:<26}" + "".join(f"{v:>22.1f}" for v in best.values()) + f"  {ratios}")
 
 
+def _prefill_every_copy(runner, prefixes: list[list[int]]):
+    """The prefill before prompts shared theirs: every row's prefix computed for itself (the baseline of --group)."""
+    from sample.block_runners import PREFILL_TOKENS, _chunks
+    from sample.engine import on_device
+    from sample.kv_batch import BatchKVCache
+
+    rows = [on_device(p, runner.device) for p in prefixes]
+    return BatchKVCache.concat_rows([runner._prefill(chunk) for chunk in _chunks(rows, PREFILL_TOKENS)])
+
+
+def compare_group_prefill(args: argparse.Namespace) -> None:
+    """Tokens/s of an RL-shaped rollout (``--group`` copies of each prompt): shared prefills vs every copy
+    prefilled, one run each per round, alternating which goes first."""
+    from sample.block_runners import CachedRunner
+
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    adapter = build_adapter(args.preset, args.device, dtype, args.block_size)
+    distinct = make_prompts(args.batch // args.group, adapter.model.config.vocab_size)
+    prompts = [p for p in distinct for _ in range(args.group)]
+    params = SamplingParams(max_tokens=args.max_tokens, denoising_steps=args.steps, temperature=1.0, seed=0,
+                            ignore_eos=True, stop_token_ids=[], max_active=args.max_active or args.batch)
+    shared = CachedRunner._prefilled
+
+    def measure(share: bool) -> RolloutStats:
+        CachedRunner._prefilled = shared if share else _prefill_every_copy
+        try:
+            return run(adapter, prompts, params, args.device)
+        finally:
+            CachedRunner._prefilled = shared
+
+    measure(True)  # warm-up
+    runs: dict[bool, list[RolloutStats]] = {True: [], False: []}
+    for r in range(args.rounds):
+        for share in ((True, False) if r % 2 else (False, True)):
+            runs[share].append(measure(share))
+    n_params = sum(p.numel() for p in adapter.model.parameters())
+    print(f"model: SDAR-shaped preset {args.preset} ({n_params / 1e6:.1f}M params, {dtype}); {len(distinct)} prompts "
+          f"x {args.group} samples ({sum(map(len, distinct)) / len(distinct):.0f} prompt tokens on average), "
+          f"{args.max_tokens} tokens each, max_active {params.max_active}, block {args.block_size}, {args.steps} "
+          f"steps/block; {args.rounds} rounds")
+    print(f"{'prefill':<26}{'forwards':>10}{'best tok/s':>12}{'median tok/s':>14}")
+    for share, name in ((False, "every copy (before)"), (True, "shared by the copies")):
+        tps = [s.tokens_per_second for s in runs[share]]
+        print(f"{name:<26}{runs[share][0].forwards:>10}{max(tps):>12.1f}{statistics.median(tps):>14.1f}")
+    paired = statistics.median(a.tokens_per_second / b.tokens_per_second for a, b in zip(runs[True], runs[False]))
+    print(f"shared / every copy: {paired:.2f}x (median of the rounds' paired ratios)")
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -251,6 +304,9 @@ def main() -> None:
                     "and variant each)")
     ap.add_argument("--loop-prompts", type=int, default=8, help="prompts sampled one at a time (comparison)")
     ap.add_argument("--compare-dtypes", action="store_true", help="float32 vs bfloat16 sampling (see above)")
+    ap.add_argument("--group", type=int, default=None, help="RL groups: --batch / GROUP prompts, GROUP samples each; "
+                    "shared vs per-copy prefills (see above)")
+    ap.add_argument("--max-active", type=int, default=None, help="rows sampled at once with --group (default: all)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:]
     args = ap.parse_args()
@@ -258,6 +314,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.serve:
         serve(args)
+        return
+    if args.group:
+        print(hardware_line(args.device))
+        compare_group_prefill(args)
         return
     if args.compare_dtypes:
         print(hardware_line(args.device))

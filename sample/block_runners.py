@@ -21,9 +21,11 @@ from sample.engine import RolloutStats, on_device
 from sample.kv_batch import BatchKVCache, StaticKVCache
 
 PREFILL_TOKENS = 16384  # at most this many prompt tokens per prefill forward
-# Distinct prompt prefixes whose prefill is kept for later admissions: an RL group's n copies of a prompt join the
-# batch over several steps as rows free up, and each copy after the first reuses the prefill instead of redoing it.
-PREFIX_MEMORY = 16
+# Prefills of the most recent distinct prompt prefixes are kept, up to this many bytes of keys and values, for later
+# admissions: an RL group's n copies of a prompt join the batch over several steps as rows free up, and each copy
+# after the first reuses the prefill instead of redoing it (SmolLM2-135M: ~90 prompts of 60 tokens in fp32;
+# SDAR-4B in bf16: 3 prompts of 500 tokens, as many as a group-ordered rollout has partly admitted at a time).
+PREFIX_MEMORY_BYTES = 256 * 2**20
 REPACK_SLACK = 8  # blocks of invalid cache columns tolerated per row before a repack
 # Padded batch sizes of graphed forwards: a few graphs cover every batch, padding at most a third of the rows
 # past 16 (as vLLM / nano-vllm bucket theirs).
@@ -78,8 +80,8 @@ class CachedRunner:
 
     def _prefilled(self, prefixes: list[list[int]]) -> BatchKVCache:
         """The cache rows of ``prefixes`` (token ids), one forward per distinct prefix: copies of a prompt (an RL
-        group's samples, a request's n choices) share it, within this admission and with the last
-        ``PREFIX_MEMORY`` distinct prefixes of earlier ones."""
+        group's samples, a request's n choices) share it, within this admission and with the prefixes of earlier
+        ones still kept (``PREFIX_MEMORY_BYTES``)."""
         keys = [tuple(p) for p in prefixes]
         distinct = list(dict.fromkeys(keys))
         new = [k for k in distinct if k not in self.memory]
@@ -96,15 +98,22 @@ class CachedRunner:
         return pool.select_rows(on_device([where[k] for k in keys], self.device))
 
     def _remember(self, pool: BatchKVCache, keys: list[tuple[int, ...]]) -> None:
-        """Keep (a copy of) the prefill of the last ``PREFIX_MEMORY`` of ``keys``, rows of ``pool`` in that order."""
+        """Keep (copies of) the prefills of ``keys``, rows of ``pool``, as the most recent ones; the oldest kept
+        ones go when ``PREFIX_MEMORY_BYTES`` would be exceeded (and only the last keys that fit it are copied)."""
         if pool.keys[0] is None:
             return  # nothing was prefilled (prompts shorter than a block): nothing to reuse
-        for j in range(max(0, len(keys) - PREFIX_MEMORY), len(keys)):
+        per_token = 2 * sum(k[0, :, :1].nbytes for k in pool.keys)  # keys and values of one position
+        first, total = len(keys), 0
+        while first > 0 and total + len(keys[first - 1]) * per_token <= PREFIX_MEMORY_BYTES:
+            first -= 1
+            total += len(keys[first]) * per_token
+        for j in range(first, len(keys)):
             if keys[j] not in self.memory:
                 self.memory[keys[j]] = pool.row_copy(j, len(keys[j]))
             self.memory.move_to_end(keys[j])
-        while len(self.memory) > PREFIX_MEMORY:
-            self.memory.popitem(last=False)
+        kept = sum(map(len, self.memory)) * per_token
+        while kept > PREFIX_MEMORY_BYTES:
+            kept -= len(self.memory.popitem(last=False)[0]) * per_token
 
     def _prefill(self, prefixes: list[Tensor]) -> BatchKVCache:
         device = prefixes[0].device

@@ -60,21 +60,25 @@ def test_cache_and_no_cache_give_identical_tokens(sdar):
     assert slow.stats.forwards < cached.stats.forwards  # no prefill / commit passes without a cache
 
 
-@pytest.mark.parametrize("memory, prefilled", [(16, 2), (1, 3)])
+@pytest.mark.parametrize("memory, prefilled", [(2**30, 2), ("one", 3), (0, 6)])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_copies_of_a_prompt_share_one_prefill(sdar, monkeypatch, memory, prefilled, graphs):
     """An RL group samples one prompt n times: each distinct prompt prefix is prefilled once, also when its copies
-    join the batch at different steps (kept for the next admissions up to PREFIX_MEMORY distinct prefixes), and
-    every copy decodes exactly as without a cache. With room for one prefix, p q p prefills p again."""
+    join the batch at different steps (kept for the next admissions within PREFIX_MEMORY_BYTES), and every copy
+    decodes exactly as without a cache. With room for one prefix, p q p prefills p again; with none, each
+    admission prefills its distinct prefixes."""
     from sample import block_runners
 
-    p, q = [pr for pr in prompts_of() if len(pr) >= 2 * B][:2]
+    p, q = prompts_of((3 * B, 2 * B))  # prefixes of 3 and 2 blocks
     rows = []
     prefill = block_runners.CachedRunner._prefill
     monkeypatch.setattr(block_runners.CachedRunner, "_prefill",
                         lambda self, chunk: rows.extend(map(len, chunk)) or prefill(self, chunk))
-    monkeypatch.setattr(block_runners, "PREFIX_MEMORY", memory)
-    prompts = [p, p, p, q, q, p, p]  # max_active 2: copies of p join at four different admissions
+    if memory == "one":  # room for the prefill of p (3 blocks), not for both
+        cfg = sdar.model.config
+        memory = 2 * cfg.num_hidden_layers * (3 * B) * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32 K and V
+    monkeypatch.setattr(block_runners, "PREFIX_MEMORY_BYTES", memory)
+    prompts = [p, p, p, q, q, p, p]  # max_active 2: [p p] [p q] [q p] [p], as rows finish together
     params = _greedy(max_active=2, cuda_graphs=graphs)
     cached = generate(sdar, prompts, params, progress=False)
     slow = generate(sdar, prompts, replace(params, cache="none", cuda_graphs=False), progress=False)
@@ -82,7 +86,7 @@ def test_copies_of_a_prompt_share_one_prefill(sdar, monkeypatch, memory, prefill
     for c, s in zip(cached, slow):
         assert c.logprobs == pytest.approx(s.logprobs, abs=1e-4)
     assert len(rows) == prefilled
-    assert sorted(set(rows)) == sorted({len(p) // B * B, len(q) // B * B})
+    assert set(rows) == {3 * B, 2 * B}
 
 
 @pytest.mark.parametrize("graphs", [False, True])
