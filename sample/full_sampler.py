@@ -348,10 +348,13 @@ class WindowCachedFullSampler(FullSampler):
         block_end = self.width + (blk + 1) * self.bl
         horizon = self.params.further_horizon if self.params.cache == "prefix" else 0
         end = (block_end + horizon).clamp(max=self.canvas.shape[1])
-        host_rows = range(len(self.running)) if rows is None else host_rows
         widths = [min(self.width + (self.running[i].blk + 1) * self.bl + horizon, self.canvas.shape[1])
-                  - self._window_start(self.running[i].blk) for i in host_rows]
+                  - self._window_start(self.running[i].blk) for i in self._host_rows(rows, host_rows)]
         return start, end, max(widths)
+
+    def _host_rows(self, rows: Tensor | None, host_rows: list[int] | None) -> list[int] | range:
+        """The rows a step works on, as the host knows them (``rows`` None: every running row)."""
+        return range(len(self.running)) if rows is None else host_rows
 
     def _window_start(self, blk: int) -> int:
         return max(self.width + blk * self.bl - self.shift, 0)
@@ -365,8 +368,7 @@ class WindowCachedFullSampler(FullSampler):
         col = torch.arange(cache.length, device=self.device)[None, :]
         if self.params.cache == "prefix":
             cache.valid = cache.valid & (col < start[:, None])
-            cache.truncate(max(self._window_start(self.running[i].blk)
-                               for i in (range(len(self.running)) if rows is None else host_rows)))
+            cache.truncate(max(self._window_start(self.running[i].blk) for i in self._host_rows(rows, host_rows)))
         else:
             cache.valid = cache.valid & ((col < start[:, None]) | (col >= end[:, None]))
         if rows is None:
