@@ -102,7 +102,7 @@ class CachedRunner:
         ones go when ``PREFIX_MEMORY_BYTES`` would be exceeded (and only the last keys that fit it are copied)."""
         if pool.keys[0] is None:
             return  # nothing was prefilled (prompts shorter than a block): nothing to reuse
-        per_token = 2 * sum(k[0, :, :1].nbytes for k in pool.keys)  # keys and values of one position
+        per_token = 2 * sum(k[0, :, :1].nbytes for k in pool.keys if k is not None)  # K and V of one position
         first, total = len(keys), 0
         while first > 0 and total + len(keys[first - 1]) * per_token <= PREFIX_MEMORY_BYTES:
             first -= 1
