@@ -76,44 +76,54 @@ class CachedRunner:
 
     def admit(self, prefixes: list[list[int]]) -> None:
         """Prefill the complete prompt blocks of new rows and append the rows to the batch cache."""
-        self.cache = BatchKVCache.join(self.cache, self._prefilled(prefixes))
+        for part in self._prefilled(prefixes):
+            self.cache = BatchKVCache.join(self.cache, part)
 
-    def _prefilled(self, prefixes: list[list[int]]) -> BatchKVCache:
-        """The cache rows of ``prefixes`` (token ids), one forward per distinct prefix: copies of a prompt (an RL
-        group's samples, a request's n choices) share it, within this admission and with the prefixes of earlier
-        ones still kept (``PREFIX_MEMORY_BYTES``)."""
+    def _prefilled(self, prefixes: list[list[int]]) -> list[BatchKVCache]:
+        """The cache rows of ``prefixes`` (token ids), in order, as consecutive parts; one forward per distinct
+        prefix: copies of a prompt (an RL group's samples, a request's n choices) share it, within this admission
+        and with the prefixes of earlier ones still kept (``PREFIX_MEMORY_BYTES``). Without copies or kept ones
+        the parts are the prefill chunks themselves (nothing copied: a large admission's peak memory as before)."""
         keys = [tuple(p) for p in prefixes]
         distinct = list(dict.fromkeys(keys))
         new = [k for k in distinct if k not in self.memory]
         parts = [self._prefill(chunk) for chunk in _chunks([on_device(list(k), self.device) for k in new],
                                                            PREFILL_TOKENS)] if new else []
-        pool_keys = new + [k for k in distinct if k in self.memory]
-        parts += [self.memory[k] for k in pool_keys[len(new):]]
-        # a kept prefill is copied into the pool: the batch cache built from it is written to by later forwards
-        pool = parts[0] if len(parts) == 1 and new else BatchKVCache.concat_rows(parts)
-        self._remember(pool, pool_keys)
+        kept = [k for k in distinct if k in self.memory]
+        kept_parts = [self.memory[k] for k in kept]
+        self._remember(parts, new, kept_parts, kept)
+        if not kept and len(new) == len(keys):
+            return parts
+        # kept prefills are copied into the pool: the batch cache built from it is written to by later forwards
+        pool = BatchKVCache.concat_rows(parts + kept_parts)
+        pool_keys = new + kept
         if pool_keys == keys:
-            return pool
+            return [pool]
         where = {k: j for j, k in enumerate(pool_keys)}
-        return pool.select_rows(on_device([where[k] for k in keys], self.device))
+        return [pool.select_rows(on_device([where[k] for k in keys], self.device), compact=False)]
 
-    def _remember(self, pool: BatchKVCache, keys: list[tuple[int, ...]]) -> None:
-        """Keep (copies of) the prefills of ``keys``, rows of ``pool``, as the most recent ones; the oldest kept
-        ones go when ``PREFIX_MEMORY_BYTES`` would be exceeded (and only the last keys that fit it are copied)."""
-        if pool.keys[0] is None:
+    def _remember(self, parts: list[BatchKVCache], new: list[tuple[int, ...]], kept_parts: list[BatchKVCache],
+                  kept: list[tuple[int, ...]]) -> None:
+        """Make this admission's prefixes the most recent kept ones: copies of the ``new`` prefills (the rows of
+        ``parts``, in order), the ``kept`` ones moved up. When ``PREFIX_MEMORY_BYTES`` cannot hold them all, the
+        last that fit are kept and the oldest kept ones go."""
+        sized = next((c for c in parts + kept_parts if c.keys[0] is not None), None)
+        if sized is None:
             return  # nothing was prefilled (prompts shorter than a block): nothing to reuse
-        per_token = 2 * sum(k[0, :, :1].nbytes for k in pool.keys if k is not None)  # K and V of one position
+        per_token = 2 * sum(k[0, :, :1].nbytes for k in sized.keys if k is not None)  # K and V of one position
+        keys, rows = new + kept, [(part, r) for part in parts for r in range(part.valid.shape[0])]
         first, total = len(keys), 0
         while first > 0 and total + len(keys[first - 1]) * per_token <= PREFIX_MEMORY_BYTES:
             first -= 1
             total += len(keys[first]) * per_token
         for j in range(first, len(keys)):
-            if keys[j] not in self.memory:
-                self.memory[keys[j]] = pool.row_copy(j, len(keys[j]))
-            self.memory.move_to_end(keys[j])
-        kept = sum(map(len, self.memory)) * per_token
-        while kept > PREFIX_MEMORY_BYTES:
-            kept -= len(self.memory.popitem(last=False)[0]) * per_token
+            if j >= len(new):
+                self.memory.move_to_end(keys[j])
+            elif rows[j][0].keys[0] is not None:
+                self.memory[keys[j]] = rows[j][0].row_copy(rows[j][1], len(keys[j]))
+        size = sum(map(len, self.memory)) * per_token
+        while size > PREFIX_MEMORY_BYTES:
+            size -= len(self.memory.popitem(last=False)[0]) * per_token
 
     def _prefill(self, prefixes: list[Tensor]) -> BatchKVCache:
         device = prefixes[0].device
@@ -183,10 +193,11 @@ class StaticRunner(CachedRunner):
         self.pool = None
 
     def admit(self, prefixes: list[list[int]]) -> None:
-        cache = self._prefilled(prefixes)
-        self._fit(self.rows + len(prefixes), cache)
-        self.store.place(self.rows, cache)
-        self.rows += len(prefixes)
+        for part in self._prefilled(prefixes):
+            n = part.valid.shape[0]
+            self._fit(self.rows + n, part)
+            self.store.place(self.rows, part)
+            self.rows += n
 
     def _fit(self, rows: int, prefill: BatchKVCache) -> None:
         """Make the cache hold ``rows`` rows and the prefilled prompts (with their responses where affordable)."""

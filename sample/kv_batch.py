@@ -17,13 +17,14 @@ from models.common import KVCache
 class BatchKVCache(KVCache):
     """A KV cache whose rows are sequences of a sampler's batch."""
 
-    def select_rows(self, rows: Tensor) -> BatchKVCache:
-        """A cache holding only the given rows (finished sequences leave the batch)."""
+    def select_rows(self, rows: Tensor, compact: bool = True) -> BatchKVCache:
+        """A cache holding only the given rows (finished sequences leave the batch); ``compact``: without the
+        leading columns no row uses any more (a host sync), else every column kept."""
         out = BatchKVCache(len(self.keys))
         out.keys = [None if k is None else k.index_select(0, rows) for k in self.keys]
         out.values = [None if v is None else v.index_select(0, rows) for v in self.values]
         out.valid = None if self.valid is None else self.valid.index_select(0, rows)
-        return out.compact()
+        return out.compact() if compact else out
 
     def row_copy(self, row: int, n: int) -> BatchKVCache:
         """A one-row cache holding a copy of row ``row``'s first ``n`` columns (its own storage: keeping it does not

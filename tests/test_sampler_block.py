@@ -60,13 +60,13 @@ def test_cache_and_no_cache_give_identical_tokens(sdar):
     assert slow.stats.forwards < cached.stats.forwards  # no prefill / commit passes without a cache
 
 
-@pytest.mark.parametrize("memory, prefilled", [(2**30, 2), ("one", 3), (0, 6)])
+@pytest.mark.parametrize("memory, prefilled", [(2**30, 2), ("one", 5), (0, 7)])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_copies_of_a_prompt_share_one_prefill(sdar, monkeypatch, memory, prefilled, graphs):
     """An RL group samples one prompt n times: each distinct prompt prefix is prefilled once, also when its copies
     join the batch at different steps (kept for the next admissions within PREFIX_MEMORY_BYTES), and every copy
-    decodes exactly as without a cache. With room for one prefix, p q p prefills p again; with none, each
-    admission prefills its distinct prefixes."""
+    decodes exactly as without a cache. With room for p's prefill only, the more recent q is kept and p is prefilled
+    again at every admission; with none, each admission prefills its distinct prefixes."""
     from sample import block_runners
 
     p, q = prompts_of((3 * B, 2 * B))  # prefixes of 3 and 2 blocks
@@ -78,7 +78,7 @@ def test_copies_of_a_prompt_share_one_prefill(sdar, monkeypatch, memory, prefill
         cfg = sdar.model.config
         memory = 2 * cfg.num_hidden_layers * (3 * B) * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32 K and V
     monkeypatch.setattr(block_runners, "PREFIX_MEMORY_BYTES", memory)
-    prompts = [p, p, p, q, q, p, p]  # max_active 2: [p p] [p q] [q p] [p], as rows finish together
+    prompts = [p, q, p, q, q, p, p]  # max_active 2: [p q] [p q] [q p] [p], as rows finish together
     params = _greedy(max_active=2, cuda_graphs=graphs)
     cached = generate(sdar, prompts, params, progress=False)
     slow = generate(sdar, prompts, replace(params, cache="none", cuda_graphs=False), progress=False)
@@ -87,6 +87,33 @@ def test_copies_of_a_prompt_share_one_prefill(sdar, monkeypatch, memory, prefill
         assert c.logprobs == pytest.approx(s.logprobs, abs=1e-4)
     assert len(rows) == prefilled
     assert set(rows) == {3 * B, 2 * B}
+
+
+def test_kept_prefills_stay_within_their_budget_the_oldest_going_first(sdar):
+    """With room for one prefill, q's goes when p's is kept; a kept prefill owns its storage (a view would pin the
+    whole prefill it was cut from); copies of a prompt add no read-back from the device."""
+    from sample import block_runners
+    from sample.engine import Engine, Sequence
+    from sample.generate import make_sampler
+
+    p, q = prompts_of((3 * B, 2 * B))
+    cfg = sdar.model.config
+    one = 2 * cfg.num_hidden_layers * (3 * B) * cfg.num_key_value_heads * cfg.head_dim * 4  # p's fp32 K and V
+    sampler = make_sampler(sdar, _greedy(), set(), None, torch.Generator().manual_seed(0))
+    engine = Engine(sampler, 4)
+    with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
+        mp.setattr(block_runners, "PREFIX_MEMORY_BYTES", one)
+        for prompt in (q, p):
+            with DeviceWaits() as waits:
+                for i in range(4):
+                    engine.add(Sequence(i, prompt, 14))
+                while engine.busy:
+                    engine.step()
+            assert not [site for site in waits.reads if "kv_batch" in site or "block_runners" in site]
+    memory = sampler.runner.memory
+    assert list(memory) == [tuple(p)]
+    keys = memory[tuple(p)].keys[0]
+    assert keys.shape[2] == 3 * B and keys.untyped_storage().nbytes() == keys.nbytes
 
 
 @pytest.mark.parametrize("graphs", [False, True])
