@@ -234,10 +234,9 @@ def _prefill_every_copy(runner, prefixes: list[list[int]]):
     """The prefill before prompts shared theirs: every row's prefix computed for itself (the baseline of --group)."""
     from sample.block_runners import PREFILL_TOKENS, _chunks
     from sample.engine import on_device
-    from sample.kv_batch import BatchKVCache
 
     rows = [on_device(p, runner.device) for p in prefixes]
-    return BatchKVCache.concat_rows([runner._prefill(chunk) for chunk in _chunks(rows, PREFILL_TOKENS)])
+    return [runner._prefill(chunk) for chunk in _chunks(rows, PREFILL_TOKENS)]
 
 
 def compare_group_prefill(args: argparse.Namespace) -> None:
