@@ -91,7 +91,7 @@ class CachedRunner:
                                                            PREFILL_TOKENS)] if new else []
         kept = [k for k in distinct if k in self.memory]
         kept_parts = [self.memory[k] for k in kept]
-        self._remember(parts, new, kept_parts, kept)
+        self._remember(parts, new, kept)
         if not kept and len(new) == len(keys):
             return parts
         # kept prefills are copied into the pool: the batch cache built from it is written to by later forwards
@@ -102,12 +102,11 @@ class CachedRunner:
         where = {k: j for j, k in enumerate(pool_keys)}
         return [pool.select_rows(on_device([where[k] for k in keys], self.device), compact=False)]
 
-    def _remember(self, parts: list[BatchKVCache], new: list[tuple[int, ...]], kept_parts: list[BatchKVCache],
-                  kept: list[tuple[int, ...]]) -> None:
+    def _remember(self, parts: list[BatchKVCache], new: list[tuple[int, ...]], kept: list[tuple[int, ...]]) -> None:
         """Make this admission's prefixes the most recent kept ones: copies of the ``new`` prefills (the rows of
         ``parts``, in order), the ``kept`` ones moved up. When ``PREFIX_MEMORY_BYTES`` cannot hold them all, the
         last that fit are kept and the oldest kept ones go."""
-        sized = next((c for c in parts + kept_parts if c.keys[0] is not None), None)
+        sized = next((c for c in [*parts, *self.memory.values()] if c.keys[0] is not None), None)
         if sized is None:
             return  # nothing was prefilled (prompts shorter than a block): nothing to reuse
         per_token = 2 * sum(k[0, :, :1].nbytes for k in sized.keys if k is not None)  # K and V of one position

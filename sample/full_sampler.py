@@ -329,9 +329,9 @@ class WindowCachedFullSampler(FullSampler):
         others run their window."""
         refresh = [i for i, r in enumerate(self.running) if r.t_block == 0]
         if len(refresh) == len(self.running):
-            return self._refresh(None, cols)
+            return self._refresh(None, cols, None)
         if not refresh:
-            return self._window(None, cols)
+            return self._window(None, cols, None)
         going_on = [i for i in range(len(self.running)) if self.running[i].t_block]
         g1, g2 = on_device(refresh, self.device), on_device(going_on, self.device)
         h2 = self._window(g2, cols[g2], going_on)  # reads the old cache rows of g2 before g1's rows are replaced
@@ -359,7 +359,7 @@ class WindowCachedFullSampler(FullSampler):
     def _window_start(self, blk: int) -> int:
         return max(self.width + blk * self.bl - self.shift, 0)
 
-    def _refresh(self, rows: Tensor | None, cols: Tensor, host_rows: list[int] | None = None) -> Tensor:
+    def _refresh(self, rows: Tensor | None, cols: Tensor, host_rows: list[int] | None) -> Tensor:
         """Full forward of the rows' canvas (their block's first step); keep K/V outside the window."""
         sel = (lambda t: t) if rows is None else (lambda t: t[rows])
         cache = BatchKVCache(self.num_layers)
@@ -377,7 +377,7 @@ class WindowCachedFullSampler(FullSampler):
             self.cache = self.cache.replace_rows(rows, cache)
         return _gather_rows(hidden, cols)
 
-    def _window(self, rows: Tensor | None, cols: Tensor, host_rows: list[int] | None = None) -> Tensor:
+    def _window(self, rows: Tensor | None, cols: Tensor, host_rows: list[int] | None) -> Tensor:
         """Forward of the rows' windows against their cached K/V (cache read only)."""
         start, end, width = self._window_bounds(rows, host_rows)
         idx = start[:, None] + torch.arange(width, device=self.device)
