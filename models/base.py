@@ -61,7 +61,8 @@ class BackboneMixin:
         cos, sin = rope_cos_sin(position_ids, self.rope_head_dim, self.rope_theta, x.dtype)
         for layer in self.decoder_layers:
             args = (x, cos, sin, layout, past_key_values, store_kv, backend)
-            if self.gradient_checkpointing and self.training and past_key_values is None:
+            if self.gradient_checkpointing and self.training and (past_key_values is None
+                                                                  or past_key_values.checkpointable):
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:
                 x = layer(*args)

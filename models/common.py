@@ -93,6 +93,10 @@ class KVCache:
     columns, which lets one batched tensor serve sequences at different stages.
     """
 
+    # Whether a layer may run under gradient checkpointing with this cache: a recomputed layer must see the cache as
+    # the first pass did, which a cache that stores new columns breaks (train/shared_prefix.py's caches keep it).
+    checkpointable = False
+
     def __init__(self, num_layers: int):
         self.keys: list[Tensor | None] = [None] * num_layers  # used columns [B, Hkv, T, D] (views into buffers)
         self.values: list[Tensor | None] = [None] * num_layers

@@ -77,6 +77,27 @@ def test_a_process_whose_samples_give_no_rows_trains_a_zero_weight_filler(tmp_pa
     assert r["max_update"] > 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "kind"),
+                         [("cpu_zero3_2proc.yaml", "DEEPSPEED"), ("cpu_ddp_2proc.yaml", "MULTI_CPU")])
+def test_shared_prompts_train_under_two_processes(tmp_path, config, kind):
+    """Each rank's micro-batch holds three samples of one prompt: the prompt's blocks run in a forward of their own
+    before the rows' (train/shared_prefix.py), and the step is still the one-process step on all six samples."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()),
+           str(Path(__file__).resolve()), "--world", "2", "--out", str(tmp_path / "r.json"), "--shared-prompts"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["distributed_type"] == f"DistributedType.{kind}" and r["identical_across_ranks"]
+    assert r["shared_forwards"] == [2.0, 2.0]  # old log-probs and the update, on each rank
+    assert r["tokens"][0] == r["tokens"][1] == r["expected_tokens"] > 0
+    assert r["losses"][0] == r["losses"][1] == pytest.approx(r["expected_loss"], rel=1e-5)
+    assert r["max_update"] > 1e-4
+
+
 # ---------------------------------------------------------------- the launched script
 
 
@@ -107,10 +128,11 @@ def main() -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--empty-rank", action="store_true", help="rank 1's only sample has an over-long prompt")
+    ap.add_argument("--shared-prompts", action="store_true", help="3 samples of one prompt per rank, one micro-batch")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    cfg = RLTrainingConfig(batch_size_lm=1, old_logp="recompute", shuffle=False, beta=0.01,
-                           max_prompt_len=8 if args.empty_rank else None)
+    cfg = RLTrainingConfig(batch_size_lm=4 if args.shared_prompts else 1, old_logp="recompute", shuffle=False,
+                           beta=0.01, max_prompt_len=8 if args.empty_rank else None)
     accelerator = build_accelerator(gradient_accumulation_steps=1, micro_batch_size=cfg.batch_size_lm)
     assert_world_size(accelerator, args.world)
     torch.manual_seed(0)
@@ -126,6 +148,20 @@ def main() -> None:
              for i in range(5)]
     if args.empty_rank:  # dealt round robin, unshuffled: rank 0 gets t0, rank 1 gets t1 (dropped)
         trajs = [fake_block_trajectory(rng, f"e{i}", 4 + 8 * i, 6, 4, 3, 63, 63) for i in range(2)]
+    shared_forwards = [0]
+    if args.shared_prompts:  # samples 0, 2, 4 (rank 0) answer one 21-token prompt, 1, 3, 5 (rank 1) another
+        trajs = [fake_block_trajectory(rng, f"s{i}", 21, rng.randint(5, 9), 4, 3, 63, 63) for i in range(6)]
+        for i in range(2, 6):
+            trajs[i].prompt_ids = list(trajs[i % 2].prompt_ids)
+        import train.trainer
+
+        counted = train.trainer.shared_prefix_hidden
+
+        def counting(*a, **k):
+            shared_forwards[0] += 1
+            return counted(*a, **k)
+
+        train.trainer.shared_prefix_hidden = counting
     advantages = {t.sample_id: 1.0 for t in trajs}
     whole = build_view(trajs, advantages, cfg, ModelTraits.from_adapter(adapter))  # one process, every sample
     # old log-probs recomputed before the update: ratio 1, so the loss is -sum(weight * advantage) and the KL 0
@@ -134,12 +170,13 @@ def main() -> None:
     after = _gathered(accelerator, trainer.model)
     dev = accelerator.device
     all_after = accelerator.gather(after[None].to(dev)).cpu()
-    summary = accelerator.gather(torch.tensor([[metrics["micro_batches"], metrics["tokens"], metrics["loss"]]],
-                                              device=dev)).cpu()
+    summary = accelerator.gather(torch.tensor([[metrics["micro_batches"], metrics["tokens"], metrics["loss"],
+                                                shared_forwards[0]]], device=dev)).cpu()
     result = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "identical_across_ranks": bool(all(torch.equal(all_after[0], r) for r in all_after)),
               "max_update": float((after - start).abs().max()), "micro_batches": summary[:, 0].tolist(),
-              "tokens": summary[:, 1].tolist(), "losses": summary[:, 2].tolist(), "expected_tokens": expected_tokens,
+              "tokens": summary[:, 1].tolist(), "losses": summary[:, 2].tolist(),
+              "shared_forwards": summary[:, 3].tolist(), "expected_tokens": expected_tokens,
               "expected_loss": expected_loss,
               "seconds": time.perf_counter() - t0}
     accelerator.wait_for_everyone()

@@ -44,6 +44,9 @@ class TrainBatch:
     # summed response length, prompt groups; and the loss_norm that used them
     counts: dict[str, float] = field(default_factory=dict)
     loss_norm: str = "token_mean"
+    # [R] each row's leading columns that rows of the same prompt may compute once (its complete clean prompt blocks;
+    # 0 = none; None: no row shares), read on the host by train/shared_prefix.py
+    shared_cols: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -81,7 +84,7 @@ class TrainBatch:
         tokens["extra"] = {k: v[keep] for k, v in self.extra.items()}
         return replace(self, input_ids=self.input_ids[rows, :width], position_ids=self.position_ids[rows, :width],
                        layout=select_layout_rows(self.layout, rows, width), row_sample=self.row_sample[rows],
-                       **tokens)
+                       shared_cols=None if self.shared_cols is None else self.shared_cols[rows], **tokens)
 
     def with_weights(self, weights: Tensor) -> TrainBatch:
         return replace(self, weights=weights)

@@ -102,6 +102,9 @@ class TrainerSettings(Seeded):
     max_grad_norm: float = bounded(1.0, 0.0)  # 0 = no clipping
     shuffle: bool = True  # rows in a seeded random order (the reference keeps file order)
     logits_chunk_size: int = bounded(128, 1)  # trained positions per LM-head chunk
+    # block models: rows of one prompt in a micro-batch compute its complete prompt blocks once (two forwards: the
+    # distinct prompts, then the rows reading them as a cache; exact up to rounding; train/shared_prefix.py)
+    share_prompts: bool = True
 
 
 @dataclass

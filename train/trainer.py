@@ -23,6 +23,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,7 @@ from train.logprobs import gathered_logprobs
 from train.loss import LOSS_KEYS, LossOutput, finalize_metrics, sum_metrics
 from train.schedules import LRSchedule
 from train.settings import LRSchedulerConfig, OptimizerParams, TrainerSettings
+from train.shared_prefix import shared_prefix_hidden, shared_prefix_plan
 from train.views import NORM_COUNTS, ModelTraits, build_view, normalised_over_processes
 
 if TYPE_CHECKING:
@@ -99,6 +101,8 @@ class Trainer:
         optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt.learning_rate,
                                   betas=(opt.beta1, opt.beta2), eps=opt.epsilon, weight_decay=opt.weight_decay)
         self.model, self.optimizer = self.accelerator.prepare(model, optim)
+        # a router's aux loss is the last forward's (models/moe.py): a shared prefix's forward would go uncounted
+        self.share_prompts = cfg.share_prompts and not _router_aux_loss_on(model)
         self.schedule = LRSchedule(self.optimizer, sched.scheduler, total_steps, sched.params.warmup_steps,
                                    sched.params.min_lr_scale)
         self.rl_step = 0
@@ -201,13 +205,20 @@ class Trainer:
     # ------------------------------------------------------------ forward
 
     def forward_logprobs(self, model: Any, mb: TrainBatch) -> Tensor:
-        """fp32 log-probs of the micro-batch's trained tokens (gathered, chunked LM head)."""
+        """fp32 log-probs of the micro-batch's trained tokens (gathered, chunked LM head); rows of one prompt share
+        its prefix's forward where that pays (``training.share_prompts``, train/shared_prefix.py)."""
+        plan = shared_prefix_plan(mb) if self.share_prompts else None
         mb = mb.to(self.accelerator.device)
+        unwrapped = self.accelerator.unwrap_model(model) if model is self.model else model
         with self.accelerator.autocast():
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, layout=mb.layout, logits_to_keep=1)
-            hidden = out.hidden_states[-1]
-            head = self.accelerator.unwrap_model(model).lm_logits if model is self.model else model.lm_logits
-            return gathered_logprobs(head, hidden, mb.rows, mb.cols, mb.labels, self.cfg.logits_chunk_size)
+            if plan is None:
+                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, layout=mb.layout, logits_to_keep=1)
+                hidden, cols = out.hidden_states[-1], mb.cols
+            else:
+                plan = plan.to(self.accelerator.device)
+                hidden, cols = shared_prefix_hidden(model, plan, len(unwrapped.new_cache().keys)), plan.cols
+            return gathered_logprobs(unwrapped.lm_logits, hidden, mb.rows, cols, mb.labels,
+                                     self.cfg.logits_chunk_size)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         """No-grad log-probs of every trained token of ``batch`` (for checks and evaluation)."""
@@ -298,8 +309,7 @@ class Trainer:
         """A mixture-of-experts model's load-balancing loss of the forward just run, times the config's
         ``router_aux_loss_coef`` (models/moe.py; on when the config says ``output_router_logits``); 0 otherwise."""
         model = self.accelerator.unwrap_model(self.model)
-        config = getattr(model, "config", None)
-        coef = getattr(config, "router_aux_loss_coef", 0.0) if getattr(config, "output_router_logits", False) else 0
+        coef = _router_aux_loss_on(model)
         for name in ("backbone", "model"):
             aux = getattr(getattr(model, name, None), "router_aux_loss", None)
             if coef and aux is not None:
@@ -363,7 +373,18 @@ class Trainer:
                              f"warning); sample more responses per step or use fewer processes")
         most = every[:, :-1].max(0).values.tolist()
         zero = filler.as_filler()
-        return [micro + [zero] * (int(n) - len(micro)) for micro, n in zip(plan, most)]
+        return self._agree_on_sharing([micro + [zero] * (int(n) - len(micro)) for micro, n in zip(plan, most)])
+
+    def _agree_on_sharing(self, plan: Plan) -> Plan:
+        """Micro-batches share prompts only where every process's does: a shared micro-batch runs two forwards,
+        and ZeRO-3's forwards are collective (one gather per step, after ``_equalize``)."""
+        if not self.share_prompts:
+            return plan
+        mine = torch.tensor([shared_prefix_plan(mb) is not None for micro in plan for mb in micro],
+                            device=self.accelerator.device)
+        everyone = self.accelerator.gather(mine[None]).all(0).tolist()
+        agreed = iter(everyone)
+        return [[mb if next(agreed) else replace(mb, shared_cols=None) for mb in micro] for micro in plan]
 
     def _generator(self, salt: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.rl_step * 1009 + salt)
@@ -376,6 +397,12 @@ def _reassemble(batch: TrainBatch, parts: list[Tensor], size: int) -> Tensor:
         sel = (batch.rows >= i * size) & (batch.rows < (i + 1) * size)
         out[sel] = part
     return out
+
+
+def _router_aux_loss_on(model: Any) -> float:
+    """The model's ``router_aux_loss_coef`` when its config asks for the router logits, else 0."""
+    config = getattr(model, "config", None)
+    return getattr(config, "router_aux_loss_coef", 0.0) if getattr(config, "output_router_logits", False) else 0.0
 
 
 def _enable_checkpointing(model: Any) -> None:

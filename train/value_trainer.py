@@ -43,6 +43,10 @@ def value_loss(v: Tensor, v_old: Tensor, returns: Tensor, weights: Tensor, eps: 
 class ValueTrainer(Trainer):
     """Trains a value model (``adapter.model`` is a ``models.value.ValueModel``) on per-token returns."""
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.share_prompts = False  # its forward is the value model's own (train/shared_prefix.py is the policy's)
+
     def values(self, model: Any, mb: TrainBatch) -> Tensor:
         """fp32 values at the trained tokens' own (masked) columns."""
         mb = mb.to(self.accelerator.device)

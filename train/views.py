@@ -69,13 +69,15 @@ def _block_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: Vi
     if units.prompt_masked is not None:  # a masked prompt is the unit's own: its clean context is not shared
         budget = 1
         units.masked[:, geometry.kind == PROMPT] |= units.prompt_masked[:, len(sample.prompt) - _prompt_tail(geometry):]
+    # the complete prompt blocks: their keys and values depend on the prompt alone (a masked prompt is the row's own)
+    shared = 0 if units.prompt_masked is not None else len(sample.prompt) // block_size * block_size
     rows = []
     for group in _pack_units(clean_len, units.in_copy.sum(1).tolist(), budget):
         copies = [_copy_segment(geometry, units, unit, traits.mask_id, copy + 1) for copy, unit in enumerate(group)]
         clean = clean_ids[:max(clean_len[unit] for unit in group)]
         if units.prompt_masked is not None:
             clean = _masked_prompt(clean, units.prompt_masked[group[0]], traits.mask_id)
-        rows.append(_assemble(sample, sample_index, clean, block_size, copies, group, units))
+        rows.append(_assemble(sample, sample_index, clean, block_size, copies, group, units, shared))
     return rows
 
 
@@ -126,7 +128,7 @@ def _copy_segment(geometry: BlockGeometry, units: Units, unit: int, mask_id: int
 
 
 def _assemble(sample: Sample, sample_index: int, clean_ids: Tensor, block_size: int,
-              copies: list[tuple[Segment, Tensor]], unit_ids: list[int], units: Units) -> Row:
+              copies: list[tuple[Segment, Tensor]], unit_ids: list[int], units: Units, shared: int) -> Row:
     segments, cols, resp_index, unit_of, steps, level = [clean_segment(clean_ids, block_size)], [], [], [], [], []
     offset = len(clean_ids)
     response_start = (len(sample.prompt) // block_size) * block_size - len(sample.prompt)  # geometry -> response
@@ -140,7 +142,7 @@ def _assemble(sample: Sample, sample_index: int, clean_ids: Tensor, block_size: 
         segments.append(segment)
         offset += len(segment.ids)
     return Row(segments, sample_index, torch.cat(cols), torch.cat(resp_index), torch.cat(unit_of), torch.cat(steps),
-               torch.cat(level))
+               torch.cat(level), shared)
 
 
 # ---------------------------------------------------------------- full attention: one row per unit
@@ -219,7 +221,7 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
         counts={"units": float(int(unit.max()) + 1 if len(unit) else 0), "tokens": float(len(token_cols)),
                 "longest": float(max((len(sample.resp) for sample in samples), default=0)),
                 "resp_len": float(resp_len.sum()), "groups": float(len(group_of))},
-        loss_norm=loss_norm)
+        loss_norm=loss_norm, shared_cols=torch.tensor([row.shared for row in rows], dtype=torch.long))
 
 
 def _empty() -> Tensor:

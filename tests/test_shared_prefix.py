@@ -1,0 +1,141 @@
+"""Shared prompts in training (train/shared_prefix.py): the rows of one prompt forward its complete blocks once, and
+the log-probs, gradients and updates equal those of one forward of every row."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.test_train_trainer import make_trainer
+from tests.test_train_views import fake_block_trajectory
+from train.settings import ViewConfig
+from train.shared_prefix import shared_prefix_plan
+from train.views import ModelTraits, build_view
+
+
+def grouped_trajectories(adapter, prompt_lengths=(25, 22, 3), copies=3, seed=0):
+    """``copies`` samples of each prompt (prompt lengths 25, 22, 3 at block 4: 24, 20 and 0 columns to share)."""
+    rng = random.Random(seed)
+    vocab, b = adapter.model.config.vocab_size, adapter.block_size
+    out = []
+    for g, length in enumerate(prompt_lengths):
+        prompt = [rng.randrange(2, vocab) for _ in range(length)]
+        for c in range(copies):
+            t = fake_block_trajectory(rng, f"g{g}-{c}", length, rng.randint(5, 11), b, 3, vocab, adapter.mask_id)
+            t.prompt_ids, t.group_id = list(prompt), f"g{g}"
+            out.append(t)
+    return out
+
+
+def advantages_of(trajs):
+    return {t.sample_id: (-1.0) ** i * (1 + i / 10) for i, t in enumerate(trajs)}
+
+
+def logprobs_and_grads(adapter, batch, share, **cfg):
+    trainer = make_trainer(adapter, micro_batch_size=64, share_prompts=share, **cfg)
+    trainer.model.train()
+    trainer.model.zero_grad()
+    logp = trainer.forward_logprobs(trainer.model, batch)
+    (logp * torch.linspace(-1, 1, len(logp))).sum().backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return logp.detach(), grads
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_round"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny, monkeypatch, layout, checkpointing):
+    monkeypatch.setattr("train.shared_prefix.MAX_SHARED_FRACTION", 10.0)  # share even beside a row without a prefix
+    adapter = tiny("sdar", seed=3, block_size=4)
+    trajs = grouped_trajectories(adapter)
+    cfg = ViewConfig(layout=layout, max_row_tokens=40 if layout == "packed" else None)
+    batch = build_view(trajs, advantages_of(trajs), cfg, ModelTraits.from_adapter(adapter))
+    plan = shared_prefix_plan(batch)
+    assert plan is not None
+    # one prefix per prompt with complete blocks (25 -> 24 columns, 22 -> 20; the 3-token prompt has none)
+    assert sorted(int(v.sum()) for v in plan.prefix_layout.valid) == [20, 24]
+    assert sorted(batch.shared_cols.tolist()) == sorted(
+        {25: 24, 22: 20, 3: 0}[len(trajs[int(s)].prompt_ids)] for s in batch.row_sample)
+    assert not plan.visible[batch.shared_cols == 0].any()
+    kw = {"gradient_checkpointing": checkpointing}
+    shared_logp, shared_grads = logprobs_and_grads(adapter, batch, True, **kw)
+    plain_logp, plain_grads = logprobs_and_grads(adapter, batch, False, **kw)
+    torch.testing.assert_close(shared_logp, plain_logp, rtol=0, atol=2e-5)
+    assert shared_grads.keys() == plain_grads.keys() and len(plain_grads) > 5
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_training_step_with_shared_prompts_makes_the_same_update(tiny):
+    adapter = tiny("sdar", seed=4, block_size=4)
+    trajs = grouped_trajectories(adapter, prompt_lengths=(29, 26), copies=4, seed=1)
+    advantages = advantages_of(trajs)
+    after = {}
+    for share in (True, False):
+        model = tiny("sdar", seed=4, block_size=4)
+        trainer = make_trainer(model, micro_batch_size=4, share_prompts=share, learning_rate=1e-3,
+                               old_logp="recompute")
+        (metrics,) = trainer.train_step(trajs, advantages)
+        after[share] = torch.cat([p.detach().reshape(-1) for p in model.model.parameters()])
+        start = torch.cat([p.detach().reshape(-1) for p in adapter.model.parameters()])
+        assert float((after[share] - start).abs().max()) > 1e-4
+    # AdamW moves each weight by about the learning rate (1e-3) whatever its gradient's size, so a rounding-level
+    # gradient difference on a near-zero gradient shows at a small fraction of it
+    torch.testing.assert_close(after[True], after[False], rtol=0, atol=1e-5)
+
+
+def test_sharing_needs_fewer_padded_tokens(tiny):
+    adapter = tiny("sdar", seed=3, block_size=4)
+    traits = ModelTraits.from_adapter(adapter)
+    trajs = grouped_trajectories(adapter, prompt_lengths=(25, 22, 17))
+    batch = build_view(trajs, advantages_of(trajs), ViewConfig(layout="per_round"), traits)
+    plan = shared_prefix_plan(batch)
+    assert plan is not None and len(plan.prefix_ids) == 3
+    assert plan.ids.numel() + plan.prefix_ids.numel() <= 0.9 * batch.input_ids.numel()
+
+
+def test_a_row_whose_trained_token_lies_in_its_prefix_is_kept_whole(tiny, monkeypatch):
+    monkeypatch.setattr("train.shared_prefix.MAX_SHARED_FRACTION", 10.0)
+    adapter = tiny("sdar", seed=3, block_size=4)
+    trajs = grouped_trajectories(adapter, prompt_lengths=(9,), copies=3)
+    batch = build_view(trajs, advantages_of(trajs), ViewConfig(layout="per_round"), ModelTraits.from_adapter(adapter))
+    first_col = int(batch.cols[batch.rows == 0].min())
+    batch.shared_cols[0] = (first_col // 4 + 1) * 4  # claims a block past a trained token's predicting column
+    plan = shared_prefix_plan(batch)
+    assert plan is not None and not plan.visible[0].any() and plan.visible[1:].any(1).all()
+    assert int(plan.layout.valid[0].sum()) == int(batch.layout.valid[0].sum())  # row 0: all of it in the remainder
+
+
+def test_rows_without_a_shared_prompt_run_one_forward(tiny):
+    adapter = tiny("sdar", seed=3, block_size=4)
+    traits = ModelTraits.from_adapter(adapter)
+    trajs = grouped_trajectories(adapter, prompt_lengths=(9, 10, 11), copies=1)  # three prompts, one sample each
+    assert shared_prefix_plan(build_view(trajs, advantages_of(trajs), ViewConfig(), traits)) is None
+    grouped = grouped_trajectories(adapter)
+    masked = build_view(grouped, advantages_of(grouped), ViewConfig(prompt_mask_p=0.5), traits)
+    assert masked.shared_cols.tolist() == [0] * masked.num_rows  # a masked prompt is the row's own
+    assert shared_prefix_plan(masked) is None
+
+
+def test_full_attention_rows_share_nothing(tiny):
+    adapter = tiny("llada", seed=3)
+    rng = random.Random(0)
+    from tests.test_train_views import fake_full_trajectory
+
+    prompt = [rng.randrange(2, 60) for _ in range(8)]
+    trajs = [fake_full_trajectory(rng, f"s{i}", 8, 6, 2, adapter.model.config.vocab_size, adapter.mask_id)
+             for i in range(3)]
+    for t in trajs:
+        t.prompt_ids = list(prompt)
+    batch = build_view(trajs, advantages_of(trajs), ViewConfig(method="random_masking"),
+                       ModelTraits.from_adapter(adapter))
+    assert batch.shared_cols.tolist() == [0] * batch.num_rows and shared_prefix_plan(batch) is None
+
+
+def test_a_router_aux_loss_turns_sharing_off(tiny):
+    adapter = tiny("sdar_moe", seed=3)
+    adapter.model.config.output_router_logits = True
+    adapter.model.config.router_aux_loss_coef = 0.01
+    assert not make_trainer(adapter).share_prompts
+    assert make_trainer(tiny("sdar_moe", seed=3)).share_prompts
