@@ -32,19 +32,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("config", "kind"),
-                         [("cpu_zero3_2proc.yaml", "DEEPSPEED"), ("cpu_ddp_2proc.yaml", "MULTI_CPU")])
-def test_policy_trainer_step_two_processes(tmp_path, config, kind):
+def _launched(tmp_path: Path, config: str, *flags: str) -> dict:
+    """The launched script's summary, run on 2 CPU processes under ``config`` (accelerate_configs/)."""
     out = tmp_path / "result.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()),
-           str(Path(__file__).resolve()), "--world", "2", "--out", str(out)]
+           str(Path(__file__).resolve()), "--world", "2", "--out", str(out), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "kind"),
+                         [("cpu_zero3_2proc.yaml", "DEEPSPEED"), ("cpu_ddp_2proc.yaml", "MULTI_CPU")])
+def test_policy_trainer_step_two_processes(tmp_path, config, kind):
+    r = _launched(tmp_path, config)
     assert r["num_processes"] == 2 and r["distributed_type"] == f"DistributedType.{kind}"
     assert r["micro_batches"] == [3.0, 3.0]  # 3 + 2 samples, packed: the short rank got one zero-weight filler
     # Metrics are global: both ranks report the trained tokens of all 5 samples (filler excluded) and one loss.
@@ -63,14 +68,7 @@ def test_policy_trainer_step_two_processes(tmp_path, config, kind):
 def test_a_process_whose_samples_give_no_rows_trains_a_zero_weight_filler(tmp_path, config, kind):
     """Rank 1's only sample is dropped (over-long prompt): it joins the collective forwards with a zero-weight copy
     of rank 0's sample, and the step is rank 0's sample's step."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()),
-           str(Path(__file__).resolve()), "--world", "2", "--out", str(tmp_path / "r.json"), "--empty-rank"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    r = json.loads((tmp_path / "r.json").read_text())
+    r = _launched(tmp_path, config, "--empty-rank")
     assert r["distributed_type"] == f"DistributedType.{kind}" and r["identical_across_ranks"]
     assert r["tokens"][0] == r["tokens"][1] == r["expected_tokens"] > 0  # the dropped sample's tokens: none
     assert r["losses"][0] == r["losses"][1] == pytest.approx(r["expected_loss"], rel=1e-5)
@@ -83,14 +81,7 @@ def test_a_process_whose_samples_give_no_rows_trains_a_zero_weight_filler(tmp_pa
 def test_shared_prompts_train_under_two_processes(tmp_path, config, kind):
     """Each rank's micro-batch holds three samples of one prompt: the prompt's blocks run in a forward of their own
     before the rows' (train/shared_prefix.py), and the step is still the one-process step on all six samples."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / config), "--main_process_port", str(_free_port()),
-           str(Path(__file__).resolve()), "--world", "2", "--out", str(tmp_path / "r.json"), "--shared-prompts"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    r = json.loads((tmp_path / "r.json").read_text())
+    r = _launched(tmp_path, config, "--shared-prompts")
     assert r["distributed_type"] == f"DistributedType.{kind}" and r["identical_across_ranks"]
     assert r["shared_forwards"] == [2.0, 2.0]  # old log-probs and the update, on each rank
     assert r["tokens"][0] == r["tokens"][1] == r["expected_tokens"] > 0
