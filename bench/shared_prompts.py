@@ -3,13 +3,14 @@
     python -m bench.shared_prompts                          # SmolLM2-135M's shape, the real-weights recipe's step
     python -m bench.shared_prompts --preset cpu --prompts 4 --group 8 --rounds 2   # quick
 
-An RL step trains ``--group`` samples of each of ``--prompts`` prompts; micro-batches of ``--micro`` rows hold
-several rows of a prompt. Shared (``training.share_prompts=true``, train/shared_prefix.py): the distinct prompts'
-complete blocks are forwarded once per micro-batch, then the rows read them as a cache. Baseline (``false``): one
-forward of every row. Both train the same rows (TraceRL, packed layout) with the same trainer, alternating step by
-step (interleaved rounds, so load on a shared machine hits both alike); the median step is reported, and the
-log-probs of the two paths are compared on the first micro-batch. The synthetic records decode dynamically: each
-block takes 1-3 tokens per step (the real recipe's dynamic remasking commits ~2.2 per step).
+On CPU (the machine's cores). An RL step trains ``--group`` samples of each of ``--prompts`` prompts;
+micro-batches of ``--micro`` rows hold several rows of a prompt. Shared (``training.share_prompts=true``,
+train/shared_prefix.py): the distinct prompts' complete blocks are forwarded once per micro-batch, then the rows
+read them as a cache. Baseline (``false``): one forward of every row. Both train the same rows (TraceRL, packed
+layout) with the same trainer, alternating step by step (interleaved rounds, so load on a shared machine hits both
+alike); the median step is reported, and the log-probs of the two paths are compared on the first micro-batch. The
+synthetic records decode dynamically: each block takes 1-3 tokens per step (the real recipe's dynamic remasking
+commits ~2.2 per step).
 """
 
 from __future__ import annotations
@@ -33,23 +34,22 @@ def trajectories(args: argparse.Namespace, vocab: int) -> list[Trajectory]:
     """``group`` records of each prompt; a block's tokens are committed 1-3 per step, in a random order."""
     rng = random.Random(0)
     n = args.response_len
-    tail = args.prompt_len % args.block  # the first generated block holds the prompt's last tokens
-    total = n + (-(args.prompt_len + n)) % args.block
+    total = n + (-(args.prompt_len + n)) % args.block  # the response and the final block's tail
+    # the first generated block holds the prompt's last prompt_len % block tokens
+    bounds = [0, *range(args.block - args.prompt_len % args.block, total, args.block), total]
     out = []
     for p in range(args.prompts):
         prompt = [rng.randrange(10, min(vocab, 400)) for _ in range(args.prompt_len)]
         for c in range(args.group):
-            steps: list[int] = []
-            bounds = [0, *range(args.block - tail, total, args.block), total]
+            steps, step = [0] * total, 0
             for start, end in zip(bounds[:-1], bounds[1:]):
                 order = rng.sample(range(start, end), end - start)
-                rank = dict.fromkeys(order, 0)
                 while order:
-                    step = len(set(steps)) + len(set(rank.values()) - {0}) + 1
-                    for j in order[:rng.randint(1, 3)]:
-                        rank[j] = step
-                    order = [j for j in order if not rank[j]]
-                steps += [rank[j] for j in range(start, end)]
+                    step += 1
+                    k = rng.randint(1, 3)
+                    for j in order[:k]:
+                        steps[j] = step
+                    order = order[k:]
             ids = [rng.randrange(10, min(vocab, 400)) for _ in range(total)]
             out.append(Trajectory(prompt_ids=prompt, response_ids=ids[:n], step_map=steps[:n], logprobs=[-1.0] * n,
                                   tail_ids=ids[n:], tail_steps=steps[n:], block_size=args.block,

@@ -94,7 +94,8 @@ class KVCache:
     """
 
     # Whether a layer may run under gradient checkpointing with this cache: a recomputed layer must see the cache as
-    # the first pass did, which a cache that stores new columns breaks (train/shared_prefix.py's caches keep it).
+    # the first pass did, which a cache that stores new columns breaks. train/shared_prefix.py's caches keep it: one
+    # is read-only, the other only collects (a recompute collects the same values again).
     checkpointable = False
 
     def __init__(self, num_layers: int):

@@ -98,6 +98,24 @@ def test_sharing_needs_fewer_padded_tokens(tiny):
     assert plan.ids.numel() + plan.prefix_ids.numel() <= 0.9 * batch.input_ids.numel()
 
 
+def test_a_prompt_decoded_at_two_block_sizes_is_two_prefixes(tiny):
+    """Block 4 and block 8 rows of one 24-token prompt share 24 columns but attend otherwise inside them."""
+    adapter = tiny("sdar", seed=3, block_size=4)
+    rng = random.Random(2)
+    vocab = adapter.model.config.vocab_size
+    prompt = [rng.randrange(2, vocab) for _ in range(24)]
+    trajs = [fake_block_trajectory(rng, f"s{i}", 24, 9, b, 3, vocab, adapter.mask_id) for i, b in enumerate([4, 8] * 3)]
+    for t in trajs:
+        t.prompt_ids = list(prompt)
+    batch = build_view(trajs, advantages_of(trajs), ViewConfig(), ModelTraits.from_adapter(adapter))
+    plan = shared_prefix_plan(batch)
+    assert plan is not None and len(plan.prefix_ids) == 2
+    assert sorted(plan.prefix_layout.block[:, -1].tolist()) == [2, 5]  # column 23 is in block 2 at b=8, 5 at b=4
+    shared_logp, _ = logprobs_and_grads(adapter, batch, True)
+    plain_logp, _ = logprobs_and_grads(adapter, batch, False)
+    torch.testing.assert_close(shared_logp, plain_logp, rtol=0, atol=2e-5)
+
+
 def test_a_row_whose_trained_token_lies_in_its_prefix_is_kept_whole(tiny, monkeypatch):
     monkeypatch.setattr("train.shared_prefix.MAX_SHARED_FRACTION", 10.0)
     adapter = tiny("sdar", seed=3, block_size=4)
@@ -117,7 +135,7 @@ def test_rows_without_a_shared_prompt_run_one_forward(tiny):
     assert shared_prefix_plan(build_view(trajs, advantages_of(trajs), ViewConfig(), traits)) is None
     grouped = grouped_trajectories(adapter)
     masked = build_view(grouped, advantages_of(grouped), ViewConfig(prompt_mask_p=0.5), traits)
-    assert masked.shared_cols.tolist() == [0] * masked.num_rows  # a masked prompt is the row's own
+    assert masked.shared_cols is None  # a masked prompt is the row's own
     assert shared_prefix_plan(masked) is None
 
 
@@ -133,7 +151,7 @@ def test_full_attention_rows_share_nothing(tiny):
         t.prompt_ids = list(prompt)
     batch = build_view(trajs, advantages_of(trajs), ViewConfig(method="random_masking"),
                        ModelTraits.from_adapter(adapter))
-    assert batch.shared_cols.tolist() == [0] * batch.num_rows and shared_prefix_plan(batch) is None
+    assert batch.shared_cols is None and not make_trainer(adapter).share_prompts
 
 
 def test_a_router_aux_loss_turns_sharing_off(tiny):

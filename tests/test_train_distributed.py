@@ -76,14 +76,18 @@ def test_a_process_whose_samples_give_no_rows_trains_a_zero_weight_filler(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("config", "kind"),
-                         [("cpu_zero3_2proc.yaml", "DEEPSPEED"), ("cpu_ddp_2proc.yaml", "MULTI_CPU")])
-def test_shared_prompts_train_under_two_processes(tmp_path, config, kind):
-    """Each rank's micro-batch holds three samples of one prompt: the prompt's blocks run in a forward of their own
-    before the rows' (train/shared_prefix.py), and the step is still the one-process step on all six samples."""
-    r = _launched(tmp_path, config, "--shared-prompts")
+@pytest.mark.parametrize(("config", "kind", "prompts"),
+                         [("cpu_zero3_2proc.yaml", "DEEPSPEED", "both"), ("cpu_ddp_2proc.yaml", "MULTI_CPU", "both"),
+                          ("cpu_zero3_2proc.yaml", "DEEPSPEED", "rank0")])
+def test_shared_prompts_train_under_two_processes(tmp_path, config, kind, prompts):
+    """Each rank's micro-batch holds three samples: of one prompt on both ranks, where the prompt's blocks run in a
+    forward of their own before the rows' (train/shared_prefix.py); or only on rank 0, where no rank shares
+    (ZeRO-3's forwards are collective: the ranks must run as many). Either way the step is the one-process step
+    on all six samples."""
+    r = _launched(tmp_path, config, "--shared-prompts", prompts)
     assert r["distributed_type"] == f"DistributedType.{kind}" and r["identical_across_ranks"]
-    assert r["shared_forwards"] == [2.0, 2.0]  # old log-probs and the update, on each rank
+    # old log-probs and the update, on each rank
+    assert r["shared_forwards"] == ([2.0, 2.0] if prompts == "both" else [0.0, 0.0])
     assert r["tokens"][0] == r["tokens"][1] == r["expected_tokens"] > 0
     assert r["losses"][0] == r["losses"][1] == pytest.approx(r["expected_loss"], rel=1e-5)
     assert r["max_update"] > 1e-4
@@ -119,7 +123,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--empty-rank", action="store_true", help="rank 1's only sample has an over-long prompt")
-    ap.add_argument("--shared-prompts", action="store_true", help="3 samples of one prompt per rank, one micro-batch")
+    ap.add_argument("--shared-prompts", choices=("both", "rank0"),
+                    help="one micro-batch of 3 samples per rank, of one prompt on both ranks or on rank 0 only")
     args = ap.parse_args()
     t0 = time.perf_counter()
     cfg = RLTrainingConfig(batch_size_lm=4 if args.shared_prompts else 1, old_logp="recompute", shuffle=False,
@@ -142,7 +147,7 @@ def main() -> None:
     shared_forwards = [0]
     if args.shared_prompts:  # samples 0, 2, 4 (rank 0) answer one 21-token prompt, 1, 3, 5 (rank 1) another
         trajs = [fake_block_trajectory(rng, f"s{i}", 21, rng.randint(5, 9), 4, 3, 63, 63) for i in range(6)]
-        for i in range(2, 6):
+        for i in range(2, 6) if args.shared_prompts == "both" else (2, 4):  # rank0: rank 1's prompts differ
             trajs[i].prompt_ids = list(trajs[i % 2].prompt_ids)
         import train.trainer
 

@@ -45,7 +45,7 @@ class TrainBatch:
     counts: dict[str, float] = field(default_factory=dict)
     loss_norm: str = "token_mean"
     # [R] each row's leading columns that rows of the same prompt may compute once (its complete clean prompt blocks;
-    # 0 = none; None: no row shares), read on the host by train/shared_prefix.py
+    # 0 = none); None: no row's (or sharing is off for this micro-batch). Read on the host by train/shared_prefix.py
     shared_cols: Tensor | None = None
 
     @property

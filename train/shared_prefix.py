@@ -13,11 +13,15 @@ The gradients of all rows of a prompt meet in its prefix's keys and values, as t
 row. The prefix tokens' hidden states predict nothing: the plan keeps a row whole when a trained token's predicting
 column lies in its prefix. This is Prefix Grouper's idea (arXiv 2506.05433, GRPO on AR models) on our layouts: in
 the real-weights recipe a row is 84 prompt tokens of 143, and 16 samples share each prompt.
+
+Both forwards attend with masked SDPA: FlexAttention's block-sparse masks and CPU split attention serve one-forward
+rows only, so sharing pays where the prompt is a large part of the rows (``MAX_SHARED_FRACTION`` counts tokens).
+Dropout (a LoRA's) draws once per prompt on the prefix instead of once per row: the same gradient in expectation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -45,9 +49,7 @@ class SharedPlan:
     cols: Tensor  # [T] predicting columns of the trained tokens in the rows' remainders
 
     def to(self, device: torch.device | str) -> SharedPlan:
-        moved = {name: getattr(self, name).to(device) for name in ("prefix_ids", "prefix_pos", "owner", "visible",
-                                                                   "ids", "pos", "cols")}
-        return replace(self, prefix_layout=self.prefix_layout.to(device), layout=self.layout.to(device), **moved)
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def shared_prefix_plan(mb: TrainBatch) -> SharedPlan | None:
@@ -57,10 +59,12 @@ def shared_prefix_plan(mb: TrainBatch) -> SharedPlan | None:
         return None
     width = mb.input_ids.shape[1]
     shared = _shareable_columns(mb)
-    prefixes: dict[tuple[int, bytes], int] = {}
+    ids, blocks = mb.input_ids.cpu().numpy(), mb.layout.block.cpu().numpy()
+    prefixes: dict[tuple[int, bytes, bytes], int] = {}
     first_row, owner = [], []
     for row, k in enumerate(shared.tolist()):
-        key = (k, mb.input_ids[row, :k].numpy().tobytes())
+        # the same tokens in the same blocks: a prompt decoded at another block size attends otherwise inside it
+        key = (k, ids[row, :k].tobytes(), blocks[row, :k].tobytes())
         if k and key not in prefixes:
             prefixes[key] = len(prefixes)
             first_row.append(row)
@@ -92,7 +96,8 @@ def _shareable_columns(mb: TrainBatch) -> Tensor:
     """Each row's prefix length: the view's shareable columns, 0 where a trained token's predicting column lies
     inside them (the prefix forward keeps no hidden states)."""
     shared = mb.shared_cols.clone()
-    first_trained = torch.full_like(shared, torch.iinfo(shared.dtype).max).scatter_reduce(0, mb.rows, mb.cols, "amin")
+    first_trained = torch.full_like(shared, torch.iinfo(shared.dtype).max).scatter_reduce(
+        0, mb.rows.cpu(), mb.cols.cpu(), "amin")
     shared[first_trained < shared] = 0
     return shared
 
@@ -100,8 +105,8 @@ def _shareable_columns(mb: TrainBatch) -> Tensor:
 class PrefixKeys(KVCache):
     """Collects each layer's keys and values of the prefix forward as computed (gradients kept).
 
-    Its ``keys`` stay empty, so attention treats the prefixes as uncached sequences; under gradient checkpointing a
-    recomputed layer collects again and returns the same result."""
+    Its ``keys`` stay empty, so attention treats the prefixes as uncached sequences. Under gradient checkpointing a
+    recomputed layer collects again: the same values, and the rows' forward already holds the first ones."""
 
     checkpointable = True
 
@@ -118,18 +123,20 @@ class PrefixKeys(KVCache):
 class SharedPrefix(KVCache):
     """The rows' view of the prefixes: row r reads prefix ``owner[r]``'s keys and values before its own.
 
-    Read-only (nothing is stored), so a recomputed layer sees what the first pass saw."""
+    Holds the prefixes' keys once and spreads them to the rows one layer at a time (all layers spread at once
+    would hold L x R copies of the prefix). Read-only, so a recomputed layer sees what the first pass saw."""
 
     checkpointable = True
 
     def __init__(self, prefixes: PrefixKeys, owner: Tensor, visible: Tensor):
         super().__init__(len(prefixes.kept_keys))
-        self.keys = [k.index_select(0, owner) for k in prefixes.kept_keys]
-        self.values = [v.index_select(0, owner) for v in prefixes.kept_values]
+        self.keys, self.values = prefixes.kept_keys, prefixes.kept_values  # per prefix [U, Hkv, K, D]
+        self.owner = owner
         self.valid = visible
 
     def extend_layer(self, idx: int, k: Tensor, v: Tensor, store: bool | int) -> tuple[Tensor, Tensor]:
-        return torch.cat([self.keys[idx], k], 2), torch.cat([self.values[idx], v], 2)
+        return (torch.cat([self.keys[idx].index_select(0, self.owner), k], 2),
+                torch.cat([self.values[idx].index_select(0, self.owner), v], 2))
 
 
 def shared_prefix_hidden(model, plan: SharedPlan, num_layers: int) -> Tensor:

@@ -101,8 +101,10 @@ class Trainer:
         optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt.learning_rate,
                                   betas=(opt.beta1, opt.beta2), eps=opt.epsilon, weight_decay=opt.weight_decay)
         self.model, self.optimizer = self.accelerator.prepare(model, optim)
-        # a router's aux loss is the last forward's (models/moe.py): a shared prefix's forward would go uncounted
-        self.share_prompts = cfg.share_prompts and not _router_aux_loss_on(model)
+        # block models only (a full-attention row's prompt sees its response); a router's aux loss is the last
+        # forward's (models/moe.py): a shared prefix's forward would go uncounted
+        self.share_prompts = (cfg.share_prompts and self.traits.attention == "block"
+                              and not _router_aux_loss_coef(model))
         self.schedule = LRSchedule(self.optimizer, sched.scheduler, total_steps, sched.params.warmup_steps,
                                    sched.params.min_lr_scale)
         self.rl_step = 0
@@ -207,21 +209,23 @@ class Trainer:
     def forward_logprobs(self, model: Any, mb: TrainBatch) -> Tensor:
         """fp32 log-probs of the micro-batch's trained tokens (gathered, chunked LM head); rows of one prompt share
         its prefix's forward where that pays (``training.share_prompts``, train/shared_prefix.py)."""
-        plan = shared_prefix_plan(mb) if self.share_prompts else None
+        sharing = shared_prefix_plan(mb) if self.share_prompts else None
         mb = mb.to(self.accelerator.device)
         unwrapped = self.accelerator.unwrap_model(model) if model is self.model else model
         with self.accelerator.autocast():
-            if plan is None:
+            if sharing is None:
                 out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, layout=mb.layout, logits_to_keep=1)
                 hidden, cols = out.hidden_states[-1], mb.cols
             else:
-                plan = plan.to(self.accelerator.device)
-                hidden, cols = shared_prefix_hidden(model, plan, len(unwrapped.new_cache().keys)), plan.cols
+                sharing = sharing.to(self.accelerator.device)
+                num_layers = len(unwrapped.new_cache().keys)
+                hidden, cols = shared_prefix_hidden(model, sharing, num_layers), sharing.cols
             return gathered_logprobs(unwrapped.lm_logits, hidden, mb.rows, cols, mb.labels,
                                      self.cfg.logits_chunk_size)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
-        """No-grad log-probs of every trained token of ``batch`` (for checks and evaluation)."""
+        """No-grad log-probs of every trained token of ``batch`` (for checks and evaluation; one process: its
+        micro-batches are not equalised or agreed on across processes)."""
         with torch.no_grad():
             self.model.eval()
             parts = [self.forward_logprobs(self.model, mb).float().cpu()
@@ -309,7 +313,7 @@ class Trainer:
         """A mixture-of-experts model's load-balancing loss of the forward just run, times the config's
         ``router_aux_loss_coef`` (models/moe.py; on when the config says ``output_router_logits``); 0 otherwise."""
         model = self.accelerator.unwrap_model(self.model)
-        coef = _router_aux_loss_on(model)
+        coef = _router_aux_loss_coef(model)
         for name in ("backbone", "model"):
             aux = getattr(getattr(model, name, None), "router_aux_loss", None)
             if coef and aux is not None:
@@ -399,7 +403,7 @@ def _reassemble(batch: TrainBatch, parts: list[Tensor], size: int) -> Tensor:
     return out
 
 
-def _router_aux_loss_on(model: Any) -> float:
+def _router_aux_loss_coef(model: Any) -> float:
     """The model's ``router_aux_loss_coef`` when its config asks for the router logits, else 0."""
     config = getattr(model, "config", None)
     return getattr(config, "router_aux_loss_coef", 0.0) if getattr(config, "output_router_logits", False) else 0.0

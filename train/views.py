@@ -70,14 +70,14 @@ def _block_rows(sample: Sample, sample_index: int, algorithm: Algorithm, cfg: Vi
         budget = 1
         units.masked[:, geometry.kind == PROMPT] |= units.prompt_masked[:, len(sample.prompt) - _prompt_tail(geometry):]
     # the complete prompt blocks: their keys and values depend on the prompt alone (a masked prompt is the row's own)
-    shared = 0 if units.prompt_masked is not None else len(sample.prompt) // block_size * block_size
+    shared_cols = 0 if units.prompt_masked is not None else len(sample.prompt) // block_size * block_size
     rows = []
     for group in _pack_units(clean_len, units.in_copy.sum(1).tolist(), budget):
         copies = [_copy_segment(geometry, units, unit, traits.mask_id, copy + 1) for copy, unit in enumerate(group)]
         clean = clean_ids[:max(clean_len[unit] for unit in group)]
         if units.prompt_masked is not None:
             clean = _masked_prompt(clean, units.prompt_masked[group[0]], traits.mask_id)
-        rows.append(_assemble(sample, sample_index, clean, block_size, copies, group, units, shared))
+        rows.append(_assemble(sample, sample_index, clean, block_size, copies, group, units, shared_cols))
     return rows
 
 
@@ -128,7 +128,7 @@ def _copy_segment(geometry: BlockGeometry, units: Units, unit: int, mask_id: int
 
 
 def _assemble(sample: Sample, sample_index: int, clean_ids: Tensor, block_size: int,
-              copies: list[tuple[Segment, Tensor]], unit_ids: list[int], units: Units, shared: int) -> Row:
+              copies: list[tuple[Segment, Tensor]], unit_ids: list[int], units: Units, shared_cols: int) -> Row:
     segments, cols, resp_index, unit_of, steps, level = [clean_segment(clean_ids, block_size)], [], [], [], [], []
     offset = len(clean_ids)
     response_start = (len(sample.prompt) // block_size) * block_size - len(sample.prompt)  # geometry -> response
@@ -142,7 +142,7 @@ def _assemble(sample: Sample, sample_index: int, clean_ids: Tensor, block_size: 
         segments.append(segment)
         offset += len(segment.ids)
     return Row(segments, sample_index, torch.cat(cols), torch.cat(resp_index), torch.cat(unit_of), torch.cat(steps),
-               torch.cat(level), shared)
+               torch.cat(level), shared_cols)
 
 
 # ---------------------------------------------------------------- full attention: one row per unit
@@ -221,7 +221,13 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
         counts={"units": float(int(unit.max()) + 1 if len(unit) else 0), "tokens": float(len(token_cols)),
                 "longest": float(max((len(sample.resp) for sample in samples), default=0)),
                 "resp_len": float(resp_len.sum()), "groups": float(len(group_of))},
-        loss_norm=loss_norm, shared_cols=torch.tensor([row.shared for row in rows], dtype=torch.long))
+        loss_norm=loss_norm, shared_cols=_shared_cols(rows))
+
+
+def _shared_cols(rows: list[Row]) -> Tensor | None:
+    """Each row's shareable leading columns, or None when no row has any."""
+    shared = torch.tensor([row.shared_cols for row in rows], dtype=torch.long)
+    return shared if bool(shared.any()) else None
 
 
 def _empty() -> Tensor:

@@ -124,7 +124,7 @@ class Row:
     unit: Tensor
     steps: Tensor
     level: Tensor  # masking probability t of each trained token (1 where the view does not noise at random)
-    shared: int = 0  # leading columns that depend on the prompt alone (train/shared_prefix.py)
+    shared_cols: int = 0  # leading columns that depend on the prompt alone (train/shared_prefix.py)
 
 
 @dataclass(frozen=True)
