@@ -25,12 +25,16 @@ from train.settings import (
 from train.views import ModelTraits, build_view
 
 
-def fresh_accelerator(**kwargs):
-    """accelerate keeps process-wide singletons; reset them so each test picks its own settings."""
+def reset_accelerate_state() -> None:
+    """accelerate keeps process-wide singletons; reset them so the next accelerator picks its own settings."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def fresh_accelerator(**kwargs):
+    reset_accelerate_state()
     return build_accelerator(**kwargs)
 
 
@@ -42,13 +46,13 @@ def training_config(view=None, loss=None, micro_batch_size=1, gradient_checkpoin
 
 
 def make_trainer(adapter, mixed_precision="no", gradient_accumulation_steps=1, learning_rate=1e-6,
-                 lr_scheduler="constant", total_steps=None, min_lr_scale=0.0, **cfg) -> PolicyTrainer:
+                 lr_scheduler="constant", total_steps=None, min_lr_scale=0.0, epsilon=1e-8, **cfg) -> PolicyTrainer:
     config = training_config(mixed_precision=mixed_precision,
                              gradient_accumulation_steps=gradient_accumulation_steps, **cfg)
     acc = fresh_accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps)
     schedule = LRSchedulerConfig(scheduler=lr_scheduler, params=LRSchedulerParams(min_lr_scale=min_lr_scale))
-    return PolicyTrainer(adapter, config, OptimizerParams(learning_rate=learning_rate), schedule, total_steps,
-                         accelerator=acc)
+    return PolicyTrainer(adapter, config, OptimizerParams(learning_rate=learning_rate, epsilon=epsilon), schedule,
+                         total_steps, accelerator=acc)
 
 
 def sampled(adapter, prompts, **params):
