@@ -38,7 +38,7 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
     source = _ar_checkpoint(tmp_path / "ar", "llama", demo_tokenizer, positions=256)
     out = tmp_path / "real"
     assert main(["--source", str(source), "--out", str(out), "--held-out", "4", "--sft-steps", "2",
-                 "--rl-steps", "1"]) == 0
+                 "--rl-steps", "1", "--t1"]) == 0
     report = json.loads((out / "report.json").read_text())
     stages = report["stages"]
     assert list(stages) == ["ar", "convert", "converted", "adapt", "adapted", "rl", "rl_eval"]
@@ -58,6 +58,7 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
     assert format_table(report) in capsys.readouterr().out
     assert main(["--source", str(source), "--out", str(out), "--held-out", "3", "--stages", "rl_eval"]) == 0
     again = json.loads((out / "report.json").read_text())["stages"]
+    assert "acc_t1" not in again["rl_eval"]  # temperature 1 only with --t1
     assert again["rl_eval"]["tasks"] == 3 and {k: again[k] for k in stages if k != "rl_eval"} == {
         k: v for k, v in stages.items() if k != "rl_eval"}  # the stages not run keep their figures
     with pytest.raises(SystemExit):
