@@ -6,9 +6,12 @@
 On CPU (the machine's cores). An RL step trains ``--group`` samples of each of ``--prompts`` prompts;
 micro-batches of ``--micro`` rows hold several rows of a prompt. Shared (``training.share_prompts=true``,
 train/shared_prefix.py): the distinct prompts' complete blocks are forwarded once per micro-batch, then the rows
-read them as a cache. Baseline (``false``): one forward of every row. Both train the same rows (TraceRL, packed
-layout) with the same trainer, alternating step by step (interleaved rounds, so load on a shared machine hits both
-alike); the median step is reported, and the log-probs of the two paths are compared on the first micro-batch. The
+read them as a cache. Baseline (``false``): one forward of every row. A third configuration shares prompts but
+deals the rows to micro-batches in a random order over all prompts (the trainer's order before it kept a prompt's
+rows together, ``train.trainer.grouped_order``): each 16-row micro-batch then holds several prompts, each
+forwarded once per micro-batch. All train the same rows (TraceRL, packed layout) with the same trainer, alternating
+step by step (interleaved rounds, so load on a shared machine hits all alike); the median step is reported, and the
+log-probs of the shared and unshared paths are compared on the first micro-batch. The
 synthetic records decode dynamically: each block takes 1-3 tokens per step (the real recipe's dynamic remasking
 commits ~2.2 per step).
 """
@@ -22,6 +25,7 @@ import time
 
 import torch
 
+import train.trainer
 from bench import hardware_line
 from bench.sampler import PRESETS, build_adapter
 from sample.trajectory import Trajectory
@@ -89,18 +93,28 @@ def main(argv: list[str] | None = None) -> None:
           f"{batch.num_input_tokens} input tokens, {batch.num_tokens} trained; micro-batches of {args.micro} rows")
     print(f"log-probs of the first micro-batch, shared vs not: max |difference| "
           f"{float((logp[True] - logp[False]).abs().max()):.2e}")
-    seconds: dict[bool, list[float]] = {True: [], False: []}
+    grouped = train.trainer.grouped_order
+    configs = {"every row its own prompt": (False, grouped), "shared, rows shuffled": (True, _rows_shuffled),
+               "shared, prompts together": (True, grouped)}
+    seconds: dict[str, list[float]] = {label: [] for label in configs}
     for _ in range(args.rounds):
-        for share in (False, True):
-            trainer.share_prompts = share
+        for label, (share, order) in configs.items():
+            trainer.share_prompts, train.trainer.grouped_order = share, order
             start = time.perf_counter()
             trainer.train_step(trajs, advantages)
-            seconds[share].append(time.perf_counter() - start)
-    for share, label in ((False, "every row its own prompt"), (True, "shared prompts")):
-        print(f"{label:>24}: training step {statistics.median(seconds[share]):.2f} s median "
-              f"({', '.join(f'{s:.2f}' for s in seconds[share])})")
-    ratio = statistics.median(seconds[False]) / statistics.median(seconds[True])
-    print(f"shared prompts vs every row its own: {ratio:.2f}x faster")
+            seconds[label].append(time.perf_counter() - start)
+    train.trainer.grouped_order = grouped
+    median = {label: statistics.median(times) for label, times in seconds.items()}
+    for label, times in seconds.items():
+        print(f"{label:>24}: training step {median[label]:.2f} s median ({', '.join(f'{s:.2f}' for s in times)})")
+    own, shuffled, together = median.values()
+    print(f"shared prompts vs every row its own: {own / together:.2f}x faster; prompts together vs rows shuffled: "
+          f"{shuffled / together:.2f}x faster")
+
+
+def _rows_shuffled(group: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The baseline order: the rows of a step in a seeded random order, whatever their prompt."""
+    return torch.randperm(len(group), generator=generator or torch.Generator().manual_seed(0))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,31 @@ def test_a_training_step_with_shared_prompts_makes_the_same_update(tiny):
     torch.testing.assert_close(after[True], after[False], rtol=0, atol=1e-5)
 
 
+def test_shuffled_micro_batches_keep_a_prompts_rows_together_and_make_the_same_update(tiny):
+    """The micro-batches of one optimiser step add up, so dealing them a prompt at a time changes no update, while
+    each micro-batch then forwards one shared prompt instead of several."""
+    adapter = tiny("sdar", seed=4, block_size=4)
+    trajs = grouped_trajectories(adapter, prompt_lengths=(29, 26, 21), copies=4, seed=1)
+    random.Random(0).shuffle(trajs)  # the samples of a prompt arrive apart
+    advantages = advantages_of(trajs)
+    after = {}
+    for shuffle in (True, False):
+        model = tiny("sdar", seed=4, block_size=4)
+        trainer = make_trainer(model, micro_batch_size=4, shuffle=shuffle, learning_rate=1.0, epsilon=1.0,
+                               old_logp="recompute")
+        batch = trainer.build_views(trajs, advantages)[0]
+        micro = trainer.micro_batches(batch, 0)
+        assert [mb.num_rows for mb in micro] == [4, 4, 4]
+        groups = [set(mb.extra["group"].tolist()) for mb in micro]
+        assert all(len(g) == 1 for g in groups) and set().union(*groups) == {0, 1, 2}  # one prompt each
+        assert all(len(shared_prefix_plan(mb).prefix_ids) == 1 for mb in micro)
+        assert len(trainer.train_step(trajs, advantages)) == 1
+        after[shuffle] = torch.cat([p.detach().reshape(-1) for p in model.model.parameters()])
+    start = torch.cat([p.detach().reshape(-1) for p in adapter.model.parameters()])
+    assert float((after[True] - start).abs().max()) > 1e-4
+    torch.testing.assert_close(after[True], after[False], rtol=0, atol=1e-5)
+
+
 def test_sharing_needs_fewer_padded_tokens(tiny):
     adapter = tiny("sdar", seed=3, block_size=4)
     traits = ModelTraits.from_adapter(adapter)

@@ -100,7 +100,9 @@ class TrainerSettings(Seeded):
     enable_tf32: bool = True  # TF32 matmuls on CUDA
     num_train_epochs: int = bounded(1, 1)  # passes over one RL step's rows
     max_grad_norm: float = bounded(1.0, 0.0)  # 0 = no clipping
-    shuffle: bool = True  # rows in a seeded random order (the reference keeps file order)
+    # samples dealt to optimiser steps and processes in a seeded random order (the reference keeps file order);
+    # within a step, micro-batches keep a prompt's rows together either way (train/trainer.py grouped_order)
+    shuffle: bool = True
     logits_chunk_size: int = bounded(128, 1)  # trained positions per LM-head chunk
     # block models: rows of one prompt in a micro-batch compute its complete prompt blocks once (two forwards: the
     # distinct prompts, then the rows reading them as a cache; exact up to rounding; train/shared_prefix.py)
