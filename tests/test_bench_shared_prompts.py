@@ -1,4 +1,4 @@
-"""bench.shared_prompts: its records decode like the sampler's, and its two sides really differ in what they share."""
+"""bench.shared_prompts: its records decode like the sampler's, and its three sides really differ in what they share."""
 
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ def test_the_shared_side_forwards_each_prompt_once(monkeypatch, capsys):
     monkeypatch.setattr(train.trainer, "shared_prefix_hidden",
                         lambda model, plan, n: calls.append(len(plan.prefix_ids)) or hidden(model, plan, n))
     bench_shared.main(["--preset", "cpu-small", "--prompts", "2", "--group", "4", "--prompt-len", "20",
-                       "--response-len", "8", "--rounds", "1", "--mixed-precision", "no"])
-    # log-probs once each way, then one step each way: 8 rows in one micro-batch, 2 prompts -> 2 prefix rows
-    assert calls == [2, 2]
+                       "--response-len", "8", "--rounds", "1", "--mixed-precision", "no", "--micro", "4"])
+    # 8 rows in micro-batches of 4: the log-probs of the first micro-batch (one prompt), then a step with the rows
+    # shuffled over both prompts (each micro-batch forwards both), then one a prompt at a time (one each); the
+    # unshared side forwards no prefix
+    assert calls == [1, 2, 2, 1, 1]
     out = capsys.readouterr().out
     diff = float(out.split("max |difference| ")[1].split()[0])
     assert diff < 1e-4  # fp32: the two paths agree to rounding
