@@ -70,23 +70,33 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny, monkeypatch, 
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def one_step_trainer(tiny, **cfg):
+    """A trainer of a fresh tiny SDAR (seed 4) taking one smooth optimiser step: AdamW's epsilon at 1 makes the
+    first update g / (|g| + 1). At 1e-8 it would be lr x sign(g) for any gradient above 1e-8, so a rounding-level
+    difference on a near-zero gradient could flip a weight's whole step."""
+    return make_trainer(tiny("sdar", seed=4, block_size=4), micro_batch_size=4, learning_rate=1.0, epsilon=1.0,
+                        old_logp="recompute", **cfg)
+
+
+def flat_parameters(trainer_or_adapter) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in trainer_or_adapter.model.parameters()])
+
+
+def assert_the_same_update(start: torch.Tensor, after: list[torch.Tensor]) -> None:
+    assert all(float((a - start).abs().max()) > 1e-4 for a in after)  # each step moved the weights
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-5)
+
+
 def test_a_training_step_with_shared_prompts_makes_the_same_update(tiny):
     adapter = tiny("sdar", seed=4, block_size=4)
     trajs = grouped_trajectories(adapter, prompt_lengths=(29, 26), copies=4, seed=1)
     advantages = advantages_of(trajs)
-    after = {}
+    after = []
     for share in (True, False):
-        model = tiny("sdar", seed=4, block_size=4)
-        # AdamW's epsilon at 1: the first update is g / (|g| + 1), smooth in the gradient. At 1e-8 it would be
-        # lr x sign(g) for any gradient above 1e-8, so a rounding-level difference on a near-zero gradient could
-        # flip a weight's whole step
-        trainer = make_trainer(model, micro_batch_size=4, share_prompts=share, learning_rate=1.0, epsilon=1.0,
-                               old_logp="recompute")
+        trainer = one_step_trainer(tiny, share_prompts=share)
         assert len(trainer.train_step(trajs, advantages)) == 1  # one optimiser step
-        after[share] = torch.cat([p.detach().reshape(-1) for p in model.model.parameters()])
-        start = torch.cat([p.detach().reshape(-1) for p in adapter.model.parameters()])
-        assert float((after[share] - start).abs().max()) > 1e-4
-    torch.testing.assert_close(after[True], after[False], rtol=0, atol=1e-5)
+        after.append(flat_parameters(trainer))
+    assert_the_same_update(flat_parameters(adapter), after)
 
 
 def test_shuffled_micro_batches_keep_a_prompts_rows_together_and_make_the_same_update(tiny):
@@ -96,22 +106,17 @@ def test_shuffled_micro_batches_keep_a_prompts_rows_together_and_make_the_same_u
     trajs = grouped_trajectories(adapter, prompt_lengths=(29, 26, 21), copies=4, seed=1)
     random.Random(0).shuffle(trajs)  # the samples of a prompt arrive apart
     advantages = advantages_of(trajs)
-    after = {}
+    after = []
     for shuffle in (True, False):
-        model = tiny("sdar", seed=4, block_size=4)
-        trainer = make_trainer(model, micro_batch_size=4, shuffle=shuffle, learning_rate=1.0, epsilon=1.0,
-                               old_logp="recompute")
-        batch = trainer.build_views(trajs, advantages)[0]
-        micro = trainer.micro_batches(batch, 0)
+        trainer = one_step_trainer(tiny, shuffle=shuffle)
+        micro = trainer.micro_batches(trainer.build_views(trajs, advantages)[0], 0)
         assert [mb.num_rows for mb in micro] == [4, 4, 4]
         groups = [set(mb.extra["group"].tolist()) for mb in micro]
         assert all(len(g) == 1 for g in groups) and set().union(*groups) == {0, 1, 2}  # one prompt each
         assert all(len(shared_prefix_plan(mb).prefix_ids) == 1 for mb in micro)
         assert len(trainer.train_step(trajs, advantages)) == 1
-        after[shuffle] = torch.cat([p.detach().reshape(-1) for p in model.model.parameters()])
-    start = torch.cat([p.detach().reshape(-1) for p in adapter.model.parameters()])
-    assert float((after[True] - start).abs().max()) > 1e-4
-    torch.testing.assert_close(after[True], after[False], rtol=0, atol=1e-5)
+        after.append(flat_parameters(trainer))
+    assert_the_same_update(flat_parameters(adapter), after)
 
 
 def test_sharing_needs_fewer_padded_tokens(tiny):
