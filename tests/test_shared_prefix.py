@@ -13,6 +13,7 @@ from tests.test_train_trainer import make_trainer
 from tests.test_train_views import fake_block_trajectory
 from train.settings import ViewConfig
 from train.shared_prefix import shared_prefix_plan
+from train.trainer import grouped_order
 from train.views import ModelTraits, build_view
 
 
@@ -117,6 +118,20 @@ def test_shuffled_micro_batches_keep_a_prompts_rows_together_and_make_the_same_u
         assert len(trainer.train_step(trajs, advantages)) == 1
         after.append(flat_parameters(trainer))
     assert_the_same_update(flat_parameters(adapter), after)
+
+
+def test_grouped_order_lists_the_groups_in_the_order_drawn():
+    """Each group's items stay adjacent and in their own order, the groups come in the order ``randperm`` draws
+    them; one item per group is the plain ``randperm`` of the rows (the order SFT micro-batches always had)."""
+    group = torch.tensor([7, 3, 7, 5, 3, 7])  # groups 7, 3, 5 in order of first appearance
+    drawn = torch.randperm(3, generator=torch.Generator().manual_seed(0)).tolist()  # [2, 0, 1], not its own inverse
+    items = {0: [0, 2, 5], 1: [1, 4], 2: [3]}
+    expected = [i for g in drawn for i in items[g]]
+    assert grouped_order(group, torch.Generator().manual_seed(0)).tolist() == expected
+    assert grouped_order(group, None).tolist() == [0, 2, 5, 1, 4, 3]
+    singletons = torch.tensor([4, 9, 1, 6, 0])
+    assert torch.equal(grouped_order(singletons, torch.Generator().manual_seed(3)),
+                       torch.randperm(5, generator=torch.Generator().manual_seed(3)))
 
 
 def test_sharing_needs_fewer_padded_tokens(tiny):

@@ -402,8 +402,10 @@ def grouped_order(group: Tensor, generator: torch.Generator | None) -> Tensor:
     if not len(group):
         return torch.zeros(0, dtype=torch.long)
     _, first, inverse = _first_appearance(group)
-    rank = torch.randperm(len(first), generator=generator) if generator is not None else torch.arange(len(first))
-    return torch.argsort(rank[inverse], stable=True)
+    drawn = torch.randperm(len(first), generator=generator) if generator is not None else torch.arange(len(first))
+    # groups in the order drawn: with one item per group that is the draw itself, the rows' plain shuffle
+    position = torch.empty_like(drawn).scatter_(0, drawn, torch.arange(len(drawn)))
+    return torch.argsort(position[inverse], stable=True)
 
 
 def _first_appearance(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
