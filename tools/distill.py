@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 
-def ar_answers(model: Any, tokenizer: Any, questions: list[str], max_new_tokens: int, batch_size: int = 32,
+def ar_answers(model: Any, tokenizer: Any, questions: list[str], max_new_tokens: int, batch_size: int = 128,
                progress: bool = True) -> list[str]:
     """Greedy answers of a causal LM to ``questions`` (one user turn each, the checkpoint's chat template)."""
     tokenizer.padding_side = "left"
