@@ -201,18 +201,22 @@ class Stages:
         return fn(), time.perf_counter() - start
 
 
-def read_curves(runs: Path) -> dict:
+def read_curves(runs: Path, stages: dict) -> dict:
     """SFT loss per step, RL reward per step and the RL run's held-out accuracy at its evaluation steps (``cd_``:
-    the Countdown RL run's, when it ran)."""
+    the Countdown RL run's, when it ran). A run without in-loop evaluations is drawn from its two ends: the
+    ``stages``' scores of its starting model (step 0) and of its result (its last step)."""
     from bench.methods import read_metrics
 
     sft, rl, cd_rl = (read_metrics(path) if (path := runs / project / "metrics.jsonl").is_file() else []
                       for project in (SFT_PROJECT, RL_PROJECT, CD_RL_PROJECT))
-    return {"sft_nll": [(m["step"], m["nll"]) for m in sft if "nll" in m],
-            **{f"{prefix}rl_reward": [(m["step"], m["reward"]) for m in run if "reward" in m]
-               for prefix, run in (("", rl), ("cd_", cd_rl))},
-            **{f"{prefix}rl_held_out": [(m["step"], m["eval_acc"]) for m in run if "eval_acc" in m]
-               for prefix, run in (("", rl), ("cd_", cd_rl))}}
+    curves = {"sft_nll": [(m["step"], m["nll"]) for m in sft if "nll" in m]}
+    for prefix, run, start, end in (("", rl, "adapted", "rl_eval"), ("cd_", cd_rl, "cd_adapted", "cd_rl_eval")):
+        reward = curves[f"{prefix}rl_reward"] = [(m["step"], m["reward"]) for m in run if "reward" in m]
+        held_out = [(m["step"], m["eval_acc"]) for m in run if "eval_acc" in m]
+        if not held_out and reward and start in stages and end in stages:
+            held_out = [(0, stages[start]["acc"]), (reward[-1][0], stages[end]["acc"])]
+        curves[f"{prefix}rl_held_out"] = held_out
+    return curves
 
 
 def plot(curves: dict, path: Path) -> None:
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             ran = Stages(args).run(args.stages)["stages"]
             report = {"hardware": hardware_line("cpu"), "source": source,
                       "stages": {k: ran.get(k, kept.get(k)) for k in STAGES + CD_STAGES if k in ran or k in kept}}
-        report["curves"] = read_curves(out / "runs")
+        report["curves"] = read_curves(out / "runs", report["stages"])
         write_atomic(out / "report.json", json.dumps(report, indent=1))
         plot(report["curves"], out / "curves.png")
         print(report.get("hardware", ""))

@@ -50,6 +50,8 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
     assert json.loads(sampled[-1])["responses"] == 8  # 4 problems x 2 samples at temperature 1
     assert [s for s, _ in report["curves"]["sft_nll"]] == [1, 2]
     assert [s for s, _ in report["curves"]["rl_reward"]] == [1]
+    # no in-loop evaluation in the recipe: the held-out curve is the adapted model's score and the RL policy's
+    assert report["curves"]["rl_held_out"] == [[0, stages["adapted"]["acc"]], [1, stages["rl_eval"]["acc"]]]
     assert json.loads((out / "smollm2_sdar" / "config.json").read_text())["a2d"]["target"] == "sdar"
     assert (out / "runs" / "real_rl_smollm2" / "ckpt" / "optimized").exists() and (out / "curves.png").is_file()
     printed = capsys.readouterr().out
