@@ -403,9 +403,9 @@ def grouped_order(group: Tensor, generator: torch.Generator | None) -> Tensor:
         return torch.zeros(0, dtype=torch.long)
     _, first, inverse = _first_appearance(group)
     drawn = torch.randperm(len(first), generator=generator) if generator is not None else torch.arange(len(first))
-    # groups in the order drawn: with one item per group that is the draw itself, the rows' plain shuffle
-    position = torch.empty_like(drawn).scatter_(0, drawn, torch.arange(len(drawn)))
-    return torch.argsort(position[inverse], stable=True)
+    # groups in the order drawn (a group's position is the inverse permutation's entry): with one item per group
+    # that is the draw itself, the rows' plain shuffle
+    return torch.argsort(torch.argsort(drawn)[inverse], stable=True)
 
 
 def _first_appearance(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -415,8 +415,7 @@ def _first_appearance(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     first = torch.full((len(unique),), len(values), dtype=torch.long).scatter_reduce(
         0, inverse, torch.arange(len(values)), "amin")
     order = torch.argsort(first)
-    relabel = torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
-    return unique[order], first[order], relabel[inverse]
+    return unique[order], first[order], torch.argsort(order)[inverse]  # argsort of a permutation: its inverse
 
 
 def _reassemble(batch: TrainBatch, parts: list[Tensor], size: int) -> Tensor:
