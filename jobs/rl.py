@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -252,7 +251,7 @@ class RLJob:
         params = cfg.optimizer.params
         policy_params = replace_settings(params, learning_rate=params.policy_learning_rate or params.learning_rate)
         self.trainer = PolicyTrainer(self.adapter, cfg.training, policy_params, cfg.lr_scheduler,
-                                     total_steps=self._optimizer_steps(), accelerator=self.acc, ref_model=ref)
+                                     total_steps=self._schedule_steps(), accelerator=self.acc, ref_model=ref)
         self.value = self._value_trainer(resume_from) if cfg.model.value_base_model else None
         self.judge = None
         if cfg.model.process_reward_model:
@@ -299,7 +298,7 @@ class RLJob:
         model = model.to(next(self.adapter.model.parameters()).device)
         adapter = dataclasses.replace(self.adapter, model=model)
         params = replace_settings(cfg.optimizer.params, learning_rate=cfg.optimizer.params.value_learning_rate)
-        steps = self._optimizer_steps(every=cfg.experiment.train_value_every)  # its steps split as the policy's
+        steps = self._schedule_steps(every=cfg.experiment.train_value_every)
         # An Accelerator drives one DeepSpeed engine (its backward and step go to the engine it prepared last):
         # under DeepSpeed the value model gets an Accelerator of its own, with the same launch state and config.
         acc = self._accelerator() if self.acc.distributed_type == DistributedType.DEEPSPEED else self.acc
@@ -368,15 +367,11 @@ class RLJob:
                               "lower num_task_per_step or use a bigger dataset")
         return list(rows)
 
-    def _optimizer_steps(self, every: int = 1) -> int:
-        """Optimiser steps of the whole run (for decaying LR schedules) of a model trained every ``every`` RL steps
-        (the value model: ``train_value_every``): one per training RL step unless samples_per_step splits a step's
-        samples."""
-        t = self.cfg.training
-        per_step = self.cfg.rollout.num_task_per_step * self.cfg.rollout.num_response_per_task
-        per_process = math.ceil(per_step / self.acc.num_processes)
-        splits = math.ceil(per_process / t.samples_per_step) if t.samples_per_step else 1
-        return math.ceil(self.cfg.experiment.total_step / every) * splits * t.num_train_epochs
+    def _schedule_steps(self, every: int = 1) -> int:
+        """The LR schedule's length for a model trained every ``every`` RL steps (the value model:
+        ``train_value_every``): one per training RL step, however many optimiser steps each holds (samples_per_step,
+        num_train_epochs: they share the step's rate; the filters decide at run time how many there are)."""
+        return max(self.cfg.experiment.total_step // every, 1)  # trained at the steps divisible by every
 
     # ------------------------------------------------------------ the loop
 
@@ -435,8 +430,10 @@ class RLJob:
             train_metrics = self._timed("train", lambda: self.trainer.train_step(kept, policy_adv))
             # what training actually used: the views drop samples too (an over-long prompt, an empty response)
             summary["kept"] -= len(gather_objects(self.acc, self.trainer.dropped))
-        else:
-            self.trainer.rl_step += 1  # keep the step-keyed random draws aligned with the step number
+        else:  # keep the step-keyed random draws and the LR schedules aligned with the step number
+            self.trainer.skip_step()
+            if self.value is not None and step % cfg.experiment.train_value_every == 0:
+                self.value.skip_step()
         metrics = {"step": step, **_rollout_metrics(trajs, stats), **summary, **_train_summary(train_metrics),
                    **value_metrics}
         if cfg.experiment.eval_every and (step % cfg.experiment.eval_every == 0 or step == cfg.experiment.total_step):

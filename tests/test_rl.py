@@ -216,20 +216,20 @@ def test_two_process_zero3_rl_trains_a_value_model_beside_the_policy(tmp_path, c
     assert max(float((start[k].float() - end[k].float()).abs().max()) for k in start) > 1e-4
 
 
-def test_the_value_schedule_counts_the_optimiser_steps_the_policy_schedule_counts(tmp_path):
-    """A decaying LR schedule spans the run's optimiser steps: samples_per_step splits each training RL step into
-    several, for the value model (trained every train_value_every RL steps) as for the policy; a value schedule
-    counting one per RL step reached its floor a fraction of the way in."""
+def test_the_schedules_count_training_rl_steps_whatever_the_filters_drop(tmp_path):
+    """A decaying LR schedule spans the run's training RL steps, the value model's (trained every
+    train_value_every RL steps) as the policy's. Counted in optimiser steps, it assumed every sample is trained:
+    with samples_per_step and groups dropped for an equal reward, the cosine stopped a fraction of the way down."""
     from types import SimpleNamespace
 
     from jobs.rl import RLJob
 
     cfg = load_config(demo_args(tmp_path, tmp_path / "m", **{
-        "experiment.total_step": 10, "experiment.train_value_every": 2, "training.samples_per_step": 4,
+        "experiment.total_step": 10, "experiment.train_value_every": 3, "training.samples_per_step": 4,
         "rollout.num_task_per_step": 4, "rollout.num_response_per_task": 4}), "rl")
     job = SimpleNamespace(cfg=cfg, acc=SimpleNamespace(num_processes=2))
-    assert RLJob._optimizer_steps(job) == 10 * 2  # 16 samples per step, 8 per process, 4 per optimiser step
-    assert RLJob._optimizer_steps(job, every=2) == 5 * 2
+    assert RLJob._schedule_steps(job) == 10
+    assert RLJob._schedule_steps(job, every=3) == 3  # steps 3, 6 and 9
 
 
 @pytest.mark.slow

@@ -205,12 +205,16 @@ def test_steps_schedule_and_dropped_samples(tiny):
     trajs = fake_batch(adapter, n=5, seed=7)
     trajs[2].prompt_ids = trajs[2].prompt_ids * 20  # over-long: dropped and reported, others unaffected
     adv = {t.sample_id: 1.0 for t in trajs}
-    trainer = make_trainer(adapter, samples_per_step=2, lr_scheduler="cosine", total_steps=4, min_lr_scale=0.5,
+    trainer = make_trainer(adapter, samples_per_step=2, lr_scheduler="cosine", total_steps=3, min_lr_scale=0.5,
                            learning_rate=1e-3, old_logp="recompute", view=ViewConfig(max_prompt_len=30))
-    metrics = trainer.train_step(trajs, adv) + trainer.train_step(trajs, adv)
-    assert len(metrics) == 6 and trainer.schedule.step_count == 6  # 3 steps per RL step, once each
-    lrs = [m["lr"] for m in metrics]
-    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(5e-4) and min(lrs) >= 5e-4 - 1e-12
+    metrics = trainer.train_step(trajs, adv)
+    trainer.skip_step()  # an RL step whose samples were all dropped still moves the schedule on
+    metrics += trainer.train_step(trajs, adv)
+    # up to 3 optimiser steps per RL step (one may lose its samples to the drop), at one rate per RL step
+    later = len(metrics) - 3
+    assert trainer.schedule.step_count == 3 and [m["rl_step"] for m in metrics] == [1.0] * 3 + [3.0] * later
+    last = 1e-3 * (0.5 + 0.5 * 0.5 * (1 + math.cos(2 * math.pi / 3)))  # the cosine at step 2 of 3, floor 0.5
+    assert [m["lr"] for m in metrics] == pytest.approx([1e-3] * 3 + [last] * later)
     assert [d[0] for d in trainer.dropped] == [trajs[2].sample_id]
     assert sum(m["tokens"] for m in metrics[:3]) == sum(len(t.response_ids) for i, t in enumerate(trajs) if i != 2)
 

@@ -1,9 +1,9 @@
-"""Learning-rate schedules with a real floor, advanced exactly once per optimiser step.
+"""Learning-rate schedules with a real floor, advanced exactly once per training step (the trainer's ``train_step``).
 
 The reference's cosine (Gen-Verse/dLLM-RL models/lr_schedulers.py) ignores ``min_lr_scale`` and is advanced
 ``num_processes`` times per call by
 accelerate's scheduler wrapper, so on 8 GPUs it passes its minimum early and rises again. Here the factor is a pure
-function of the optimiser step, the LR is written into the optimiser's parameter groups directly (no accelerate
+function of the training step, the LR is written into the optimiser's parameter groups directly (no accelerate
 wrapper, so nothing is multiplied by the world size), and after ``total_steps`` the factor stays at the floor.
 """
 
@@ -17,7 +17,7 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 
 def lr_factor(name: str, step: int, total_steps: int | None = None, warmup_steps: int = 0,
               min_lr_scale: float = 0.0) -> float:
-    """Multiplier of the base LR for optimiser step ``step`` (0-based, the step about to be taken).
+    """Multiplier of the base LR for training step ``step`` (0-based, the step about to be taken).
 
     Warmup (all but ``constant``) ramps linearly (step+1)/warmup_steps; ``linear``/``cosine`` then decay from 1 to
     ``min_lr_scale`` at ``total_steps`` and stay there.
@@ -33,7 +33,7 @@ def lr_factor(name: str, step: int, total_steps: int | None = None, warmup_steps
     if name == "constant_with_warmup":
         return 1.0
     if not total_steps:
-        raise ValueError(f"lr_scheduler {name!r} needs total_steps (number of optimiser steps)")
+        raise ValueError(f"lr_scheduler {name!r} needs total_steps (number of training steps)")
     progress = min(max((step - warmup_steps) / max(1, total_steps - warmup_steps), 0.0), 1.0)
     decay = 1.0 - progress if name == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return min_lr_scale + (1.0 - min_lr_scale) * decay

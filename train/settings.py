@@ -162,7 +162,8 @@ class LRSchedulerParams(Settings):
 
 @dataclass
 class LRSchedulerConfig(Settings):
-    """The ``lr_scheduler`` section: the schedule over the optimiser steps of the whole run."""
+    """The ``lr_scheduler`` section: the schedule over the training steps of the whole run (RL: one per RL step, its
+    optimiser steps at one rate; SFT: one per optimiser step). ``warmup_steps`` counts the same steps."""
 
     scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     params: LRSchedulerParams = field(default_factory=LRSchedulerParams)

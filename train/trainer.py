@@ -11,10 +11,11 @@ override only the hooks they change (the policy, value and SFT trainers do):
 Optimisation (fixing the reference's double division and per-process LR stepping, Gen-Verse/dLLM-RL
 train/rl_trado.py): loss weights are normalised over each optimiser step's batch by the view, so micro-batch losses
 add up and gradient accumulation divides exactly once (accelerate / DeepSpeed divide by their accumulation count;
-the trainer undoes it); the LR schedule is advanced once per optimiser step and honours ``min_lr_scale``; rows are
-shuffled with a seed. Works single-process without a launcher, and under DDP or DeepSpeed ZeRO-2/3 through
-``train.accelerator.build_accelerator`` (every process runs the same number of forwards: short shards are padded
-with zero-weight micro-batches).
+the trainer undoes it); the LR schedule is advanced once per ``train_step`` (an RL step: its optimiser steps share
+one rate, as verl's actor does, so a decaying schedule ends on the run's last step however many samples the filters
+drop) and honours ``min_lr_scale``; rows are shuffled with a seed. Works single-process without a launcher, and
+under DDP or DeepSpeed ZeRO-2/3 through ``train.accelerator.build_accelerator`` (every process runs the same number
+of forwards: short shards are padded with zero-weight micro-batches).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class Trainer:
                  lr_scheduler: LRSchedulerConfig | None = None, total_steps: int | None = None,
                  accelerator: Any = None):
         """``cfg``: the trainer settings plus the view settings (a training config section); ``total_steps``:
-        optimiser steps over the whole run (needed by decaying LR schedules)."""
+        ``train_step`` calls over the whole run, skipped ones included (needed by decaying LR schedules)."""
         self.adapter, self.cfg = adapter, cfg
         opt = optimizer or OptimizerParams()
         sched = lr_scheduler or LRSchedulerConfig()
@@ -134,7 +135,13 @@ class Trainer:
                            "dropped": float(len(self.dropped))}
                 self.after_step(metrics)
                 out.append(metrics)
+        self.schedule.step()
         return out
+
+    def skip_step(self) -> None:
+        """A step with nothing to train on: the step-keyed random draws and the LR schedule move on as if trained."""
+        self.rl_step += 1
+        self.schedule.step()
 
     def _plan(self, trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
               epoch: int) -> Plan:
@@ -263,7 +270,7 @@ class Trainer:
                                                                                                   size)]
 
     def optimizer_step(self, micro: list[TrainBatch]) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches, clip, step once, advance the LR schedule once."""
+        """Accumulate gradients over the micro-batches, clip, step once at the schedule's current rate."""
         acc = self.accelerator
         lr = self.schedule.apply()
         self.model.train()
@@ -299,7 +306,6 @@ class Trainer:
                                  "step was saved") from None
         self.optimizer.zero_grad(set_to_none=True)
         acc.gradient_state._set_sync_gradients(True)
-        self.schedule.step()
         self._stop_if_not_finite("largest weight", self._weights_norm())
         metrics.update(lr=lr, micro_batches=float(len(micro)))
         if grad_norm is not None:
