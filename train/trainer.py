@@ -99,8 +99,7 @@ class Trainer:
         model = adapter.model
         if cfg.gradient_checkpointing_enable:
             _enable_checkpointing(model)
-        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt.learning_rate,
-                                  betas=(opt.beta1, opt.beta2), eps=opt.epsilon, weight_decay=opt.weight_decay)
+        optim = _adamw([p for p in model.parameters() if p.requires_grad], opt, self.accelerator)
         self.model, self.optimizer = self.accelerator.prepare(model, optim)
         # block models only (a full-attention row's prompt sees its response); a router's aux loss is the last
         # forward's (models/moe.py): a shared prefix's forward would go uncounted
@@ -451,6 +450,16 @@ def _enable_checkpointing(model: Any) -> None:
 def _loss_scaled(acc: Any) -> bool:
     """fp16 with a loss scaler (accelerate's or DeepSpeed's): an inf gradient norm is a skipped step, not an error."""
     return getattr(acc, "scaler", None) is not None or getattr(acc, "mixed_precision", "no") == "fp16"
+
+
+def _adamw(params: list[torch.nn.Parameter], opt: OptimizerParams, acc: Any) -> torch.optim.AdamW:
+    """AdamW, fused where torch has the kernel for the parameters' device (CPU, CUDA): one pass over each tensor
+    instead of a dozen (``python -m bench.optimizer``: 7x faster on a 135M-parameter model on CPU). DeepSpeed
+    swaps the optimiser's parameters for its own partitions, so under it torch's default stays."""
+    fused = (getattr(acc, "distributed_type", None) != "DEEPSPEED"
+             and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params))
+    return torch.optim.AdamW(params, lr=opt.learning_rate, betas=(opt.beta1, opt.beta2), eps=opt.epsilon,
+                             weight_decay=opt.weight_decay, fused=fused)
 
 
 def _is_deepspeed(acc: Any) -> bool:
