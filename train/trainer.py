@@ -99,7 +99,11 @@ class Trainer:
         model = adapter.model
         if cfg.gradient_checkpointing_enable:
             _enable_checkpointing(model)
-        optim = _adamw([p for p in model.parameters() if p.requires_grad], opt, self.accelerator)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optim = _adamw(trained, opt, self.accelerator)
+        # AdamW's first update moves a weight by up to lr / (1 - beta1): past the weights' dtype torch's loop refuses
+        # it and its fused kernel writes inf, so a rate above this stops the step before any weight is touched
+        self.max_lr = min((torch.finfo(p.dtype).max for p in trained), default=math.inf) * max(1.0 - opt.beta1, 1e-12)
         self.model, self.optimizer = self.accelerator.prepare(model, optim)
         # block models only (a full-attention row's prompt sees its response); a router's aux loss is the last
         # forward's (models/moe.py): a shared prefix's forward would go uncounted
@@ -272,6 +276,8 @@ class Trainer:
         """Accumulate gradients over the micro-batches, clip, step once at the schedule's current rate."""
         acc = self.accelerator
         lr = self.schedule.apply()
+        if lr > self.max_lr:
+            raise self._overflow(lr)
         self.model.train()
         parts = []
         # the policy losses of the micro-batches add up to the step's (weights normalised over the whole step);
@@ -300,9 +306,7 @@ class Trainer:
         except RuntimeError as err:  # torch refuses an update beyond the weights' dtype (a learning rate ~1e38)
             if "overflow" not in str(err):
                 raise
-            raise NonFiniteError(f"training step {self.rl_step}: the optimizer update at learning rate {lr:g} "
-                                 "overflows the weights' dtype (optimizer.params.learning_rate); nothing of this "
-                                 "step was saved") from None
+            raise self._overflow(lr) from None
         self.optimizer.zero_grad(set_to_none=True)
         acc.gradient_state._set_sync_gradients(True)
         self._stop_if_not_finite("largest weight", self._weights_norm())
@@ -310,6 +314,10 @@ class Trainer:
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         return metrics
+
+    def _overflow(self, lr: float) -> NonFiniteError:
+        return NonFiniteError(f"training step {self.rl_step}: the optimizer update at learning rate {lr:g} overflows "
+                              "the weights' dtype (optimizer.params.learning_rate); nothing of this step was saved")
 
     def _router_aux_loss(self) -> Tensor | float:
         """A mixture-of-experts model's load-balancing loss of the forward just run, times the config's
