@@ -102,7 +102,8 @@ class Trainer:
         trained = [p for p in model.parameters() if p.requires_grad]
         optim = _adamw(trained, opt, self.accelerator)
         # AdamW's first update moves a weight by up to lr / (1 - beta1): past the weights' dtype torch's loop refuses
-        # it and its fused kernel writes inf, so a rate above this stops the step before any weight is touched
+        # it (at any later step too) and its fused kernel writes inf, so a rate above this stops the step before any
+        # weight is touched, whichever kernel runs
         self.max_lr = min((torch.finfo(p.dtype).max for p in trained), default=math.inf) * max(1.0 - opt.beta1, 1e-12)
         self.model, self.optimizer = self.accelerator.prepare(model, optim)
         # block models only (a full-attention row's prompt sees its response); a router's aux loss is the last
@@ -277,7 +278,9 @@ class Trainer:
         acc = self.accelerator
         lr = self.schedule.apply()
         if lr > self.max_lr:
-            raise self._overflow(lr)
+            raise NonFiniteError(f"training step {self.rl_step}: the optimizer update at learning rate {lr:g} "
+                                 "overflows the weights' dtype (optimizer.params.learning_rate); nothing of this "
+                                 "step was saved")
         self.model.train()
         parts = []
         # the policy losses of the micro-batches add up to the step's (weights normalised over the whole step);
@@ -301,12 +304,7 @@ class Trainer:
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             if grad_norm is not None and not _loss_scaled(acc):  # fp16 loss scaling skips overflowing steps itself
                 self._stop_if_not_finite("gradient norm", float(grad_norm))
-        try:
-            self.optimizer.step()
-        except RuntimeError as err:  # torch refuses an update beyond the weights' dtype (a learning rate ~1e38)
-            if "overflow" not in str(err):
-                raise
-            raise self._overflow(lr) from None
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         acc.gradient_state._set_sync_gradients(True)
         self._stop_if_not_finite("largest weight", self._weights_norm())
@@ -314,10 +312,6 @@ class Trainer:
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         return metrics
-
-    def _overflow(self, lr: float) -> NonFiniteError:
-        return NonFiniteError(f"training step {self.rl_step}: the optimizer update at learning rate {lr:g} overflows "
-                              "the weights' dtype (optimizer.params.learning_rate); nothing of this step was saved")
 
     def _router_aux_loss(self) -> Tensor | float:
         """A mixture-of-experts model's load-balancing loss of the forward just run, times the config's
