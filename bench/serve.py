@@ -36,11 +36,25 @@ from urllib.parse import urlsplit
 import torch
 
 from bench import hardware_line
-from bench.sampler import PRESETS, build_adapter
+from bench.sampler import PRESETS
+from bench.sampler import build_adapter as build_random_adapter
 from jobs.serve import build_app, serve_until_closed
 from jobs.serve_engine import ServeEngine
 from sample.generate import generate
 from sample.params import SamplingParams
+
+
+def build_adapter(preset: str, device: str, dtype: torch.dtype, block_size: int):
+    """The preset's random SDAR model with its LM head's rows past the demo tokenizer's vocabulary zeroed.
+
+    The larger presets keep their real vocabulary (151,936 at ``1.7b``: the head's cost is part of what is served),
+    but a random head would mostly pick ids the demo tokenizer has no text for, and a response whose text stays
+    empty until its end has no time to the first streamed text. With those rows at 0 their logits are 0 and greedy
+    decoding picks a decodable id (some of the others are positive); the head's shape and cost are unchanged."""
+    adapter = build_random_adapter(preset, device, dtype, block_size)
+    with torch.no_grad():
+        adapter.model.get_output_embeddings().weight[len(adapter.tokenizer):] = 0
+    return adapter
 
 
 def prompts_for(n: int) -> list[str]:
