@@ -22,6 +22,9 @@
 3. One MoE layer of SDAR-30B-A3B's shape (hidden 2048, 128 experts, top-8, expert width 768) in bf16: grouped
    expert compute (one grouped product) vs the per-expert split vs every expert on every token at decode and
    training shapes, and the host syncs per forward (counted by torch's sync debug mode; 0 expected).
+   ``attention``: one decode step's attention alone (4 queries per row over 128-2,048 cached keys with an invalid
+   tail, at the largest batch): SDPA with ``enable_gqa`` and the mask (CUDA's path) vs the query heads folded into
+   the query axis (CPU's path) vs no mask (a lower bound).
 4. Smoke runs of the real entry points on this device, each in its own process: ``eval.py`` on the demo config,
    2 steps of ``rl.py`` (full, LoRA, and QLoRA on CUDA), 2 steps of SFT, and a single-GPU DeepSpeed ZeRO-3 RL step
    (``accelerate launch``). The first run that needs the demo SFT model trains it (about a minute on an H100).
@@ -53,6 +56,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, layers, heads, kv heads, head dim, MLP, vocabulary
@@ -311,6 +315,51 @@ def profile_rows(args, device: str) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------ decode attention
+
+
+def attention_rows(args, device: str) -> list[dict]:
+    """One decode step's attention, alone: a block of 4 queries per row over a cache of ``keys`` columns whose
+    tail is invalid (each row's valid length drawn from [keys / 2, keys], as in the fixed-capacity cache), for
+    each ``--shapes`` at the largest ``--batches``. Three ways: SDPA with ``enable_gqa`` and the additive mask
+    (what CUDA runs today); the query heads that share a K/V head folded into the query axis
+    (``models.common._grouped_query_attention``, what CPU runs); and no mask at all, a lower bound that ignores
+    validity. The batch-128 profile puts a quarter of the graphed step in this call: if the folded form is faster
+    on the GPU, ``attend`` should take it there too."""
+    batch, rows = max(args.batches), []
+    for shape in args.shapes:
+        for keys in ((32, 64) if args.quick else (128, 512, 2048)):
+            rows.append(_decode_attention_row(shape, batch, keys, device, args.dtype))
+            print(f"  attention {json.dumps(rows[-1])}", flush=True)
+    return rows
+
+
+def _decode_attention_row(shape: str, batch: int, keys: int, device: str, dtype: torch.dtype) -> dict:
+    from models.common import _grouped_query_attention, mask_per_group
+
+    _, _, heads, kv, head_dim, _, _ = SHAPES[shape]
+    g = torch.Generator().manual_seed(keys)
+    q = torch.randn(batch, heads, 4, head_dim, generator=g).to(device=device, dtype=dtype)
+    k, v = (torch.randn(batch, kv, keys, head_dim, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    valid = torch.arange(keys)[None] < torch.randint(keys // 2, keys + 1, (batch, 1), generator=g)
+    mask = torch.zeros(batch, 1, 4, keys, dtype=dtype).masked_fill_(~valid[:, None, None], float("-inf")).to(device)
+    folded_mask = mask_per_group(mask, heads // kv)
+
+    def gqa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def folded() -> torch.Tensor:
+        return _grouped_query_attention(q, k, v, folded_mask)
+
+    def unmasked() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    with torch.no_grad():
+        return {"shape": shape, "batch": batch, "keys": keys, "gqa_ms": _best_ms(device, gqa),
+                "folded_ms": _best_ms(device, folded), "no_mask_ms": _best_ms(device, unmasked),
+                "max_diff": float((folded() - gqa()).float().abs().max())}
+
+
 # ------------------------------------------------------------------------------------------ MoE layer
 
 MOE_LAYER = {"hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
@@ -496,6 +545,13 @@ def report(result: dict) -> str:
                          f"{r['split_ms']:.2f} ms, all experts {r['all_experts_ms']:.2f} ms "
                          f"({r['all_experts_ms'] / r['grouped_ms']:.1f}x), "
                          f"host syncs per forward {r['host_syncs_per_forward']}")
+    if result.get("attention"):
+        lines.append("decode attention (4 queries per row over a cache with an invalid tail; ms per call):")
+        for r in result["attention"]:
+            lines.append(f"  {r['shape']:<10} batch {r['batch']:>4}, {r['keys']:>5} keys: enable_gqa + mask "
+                         f"{r['gqa_ms']:.3f}, heads folded {r['folded_ms']:.3f} "
+                         f"({r['gqa_ms'] / r['folded_ms']:.2f}x), no mask {r['no_mask_ms']:.3f}; "
+                         f"max diff {r['max_diff']:.1e}")
     if result.get("profile"):
         lines.append("where a sampler run's time goes (static decoding, under torch.profiler):")
         for r in result["profile"]:
@@ -517,8 +573,8 @@ def report(result: dict) -> str:
 
 
 SECTIONS = {"sampler": sampler_rows, "fuse": fuse_rows, "training": training_rows, "moe": moe_rows,
-            "smoke": smoke_rows, "serve": serve_rows, "profile": profile_rows}
-DEFAULT_SECTIONS = ["sampler", "fuse", "training", "moe", "smoke", "serve"]
+            "smoke": smoke_rows, "serve": serve_rows, "profile": profile_rows, "attention": attention_rows}
+DEFAULT_SECTIONS = ["sampler", "fuse", "training", "moe", "attention", "smoke", "serve"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,8 +12,8 @@ from bench import gpu
 
 def test_quick_cpu_run_measures_every_section_but_the_smoke_runs(tmp_path):
     out = tmp_path / "bench_gpu.json"
-    rc = gpu.main(["--quick", "--device", "cpu", "--sections", "sampler,fuse,training,moe", "--batches", "1,3",
-                   "--out", str(out)])
+    rc = gpu.main(["--quick", "--device", "cpu", "--sections", "sampler,fuse,training,moe,attention",
+                   "--batches", "1,3", "--out", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     sampler = result["sampler"]
@@ -27,6 +27,10 @@ def test_quick_cpu_run_measures_every_section_but_the_smoke_runs(tmp_path):
     moe = result["moe"]
     assert [r["tokens"] for r in moe] == [4, 128, 512]
     assert all(r["max_diff"] < 1e-4 and r["host_syncs_per_forward"] is None for r in moe)  # fp32 on CPU
+    attention = result["attention"]
+    assert [(r["batch"], r["keys"]) for r in attention] == [(3, 32), (3, 64)]
+    # the folded heads (CPU's path) give the enable_gqa path's values (fp32)
+    assert all(r["max_diff"] < 1e-5 and min(r["gqa_ms"], r["folded_ms"], r["no_mask_ms"]) > 0 for r in attention)
     assert "smoke" not in result
 
 
