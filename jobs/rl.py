@@ -681,7 +681,7 @@ def _train_summary(step_metrics: list[dict]) -> dict:
     if not step_metrics:
         return {"optimizer_steps": 0}
     last = step_metrics[-1]
-    keys = ("loss", "policy_loss", "kl_loss", "approx_kl", "clip_frac", "ratio_mean", "grad_norm", "lr")
+    keys = ("loss", "policy_loss", "kl_loss", "approx_kl", "ref_kl", "clip_frac", "ratio_mean", "grad_norm", "lr")
     out = {k: sum(m[k] for m in step_metrics if k in m) / len(step_metrics) for k in keys if k in last}
     out["optimizer_steps"] = len(step_metrics)
     if "pairs" in last:  # pairwise losses (VRPO): preference pairs trained on, over the step's optimiser steps
@@ -710,6 +710,8 @@ def format_line(m: dict, total: int) -> str:
             parts.append("NO UPDATE")
         if "approx_kl" in m:
             parts += [f"kl {m['approx_kl']:.4f}", f"clip {m['clip_frac']:.3f}"]
+        if "ref_kl" in m:  # training.ref_beta: how far the policy has moved from the frozen reference
+            parts.append(f"ref_kl {m['ref_kl']:.4f}")
         parts.append(f"ent {m['entropy']:.2f}")
         if "value_loss" in m:
             parts.append(f"vloss {m['value_loss']:.4f}")

@@ -8,6 +8,7 @@ not count as reads, so a key counts only when the code that uses it reads it.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,10 @@ def test_every_rl_key_is_consumed(tmp_path, demo_tokenizer, monkeypatch, judge_e
     missing = [key for key, (cls, name) in leaf_keys(SCHEMAS["rl"]).items() if not consumed(reads, cls, name)]
     assert missing == [], missing
     assert wandb.inits[0]["entity"] == "lab" and [s for s, _ in wandb.logs][:2] == [0, 1]
+    # training.ref_beta's KL to the frozen reference reaches the log (it was computed, then dropped, once)
+    logged = [json.loads(line) for line in (tmp_path / "out" / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged if "ref_kl" in row] == [1]
+    assert logged[-1]["ref_kl"] > -1e-6  # k3 >= 0 up to rounding
 
 
 def test_every_sft_key_is_consumed(tmp_path, demo_tokenizer):
