@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from models.common import AttentionLayout, KVCache
 from models.dream import DreamBaseModel, DreamConfig, DreamModel
 from models.errors import ModelLoadError
 from models.kinds import ATTENTION_OF
+from models.layers import native_cpu_bf16
 from models.llada import LLaDAConfig, LLaDAModel, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM
 from models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM
@@ -247,6 +249,9 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
         raise ModelLoadError(f"{path}: this model_type 'llada' checkpoint is {which} (it has "
                              f"{'' if moe else 'no '}num_experts): set model.model_base={base}")
     dtype = DTYPES[get("dtype", "float32") or "float32"]
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not native_cpu_bf16():
+        warnings.warn("model.dtype=bfloat16 on a CPU without native bf16 products (oneDNN: no AVX-512): every "
+                      "product runs hundreds of times slower than with model.dtype=float32", stacklevel=2)
     overrides = {"attn_backend": get("attn_backend", "sdpa") or "sdpa"}
     if load_in_4bit:
         overrides.update(_four_bit(dtype, device))

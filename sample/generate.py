@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from models.layers import packed_projections
+from models.layers import cpu_bf16_emulated, packed_projections
 from models.lora import merged_for_sampling
 from sample.block_sampler import BlockSampler
 from sample.engine import RolloutStats, run_engine
@@ -80,10 +80,12 @@ def generate(adapter: Adapter, prompts: Sequence[Prompt] | str, params: Sampling
 
 def compute_precision(adapter: Adapter, params: SamplingParams) -> contextlib.AbstractContextManager:
     """Autocast to ``params.compute_dtype`` on the model's device (entered before the packing, which follows it);
-    nothing when it is None."""
+    nothing when it is None, or bf16 on a CPU without native bf16 products (with a warning)."""
     if params.compute_dtype is None:
         return contextlib.nullcontext()
     device = next(adapter.model.parameters()).device
+    if device.type == "cpu" and cpu_bf16_emulated(f"rollout.compute_dtype={params.compute_dtype}"):
+        return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=getattr(torch, params.compute_dtype))
 
 

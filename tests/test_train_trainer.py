@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -229,6 +230,32 @@ def test_bf16_gradient_checkpointing_and_coupled_view(tiny):
     (metrics,) = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
     assert math.isfinite(metrics["loss"]) and metrics["ratio_mean"] == pytest.approx(1.0, abs=2e-2)
     assert any(not torch.equal(a, b) for a, b in zip(before, adapter.model.parameters()))
+
+
+def test_bf16_on_a_cpu_without_native_bf16_products_computes_in_float32(tiny, tmp_path, monkeypatch):
+    # an AVX2-only CPU multiplies bf16 on reference kernels (hundreds of times slower than float32, models.layers):
+    # the CPU recipes' bf16 (training.mixed_precision, rollout.compute_dtype) becomes float32 there, with a warning
+    from models.registry import load_model
+    from sample.generate import compute_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    adapter = tiny("sdar", seed=8)
+    adapter.model.save_pretrained(tmp_path)
+    adapter.tokenizer.save_pretrained(tmp_path)
+    for native in (True, False):
+        monkeypatch.setattr("models.layers.native_cpu_bf16", lambda native=native: native)
+        monkeypatch.setattr("models.registry.native_cpu_bf16", lambda native=native: native)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            accelerator = fresh_accelerator(mixed_precision="bf16")
+            with compute_precision(adapter, SamplingParams(compute_dtype="bfloat16")):
+                autocast = torch.is_autocast_enabled("cpu")
+            load_model({"pretrained_model": str(tmp_path), "model_base": "sdar", "dtype": "bfloat16"})
+        assert accelerator.mixed_precision == ("bf16" if native else "no") and autocast == native
+        settings = [str(w.message).split(" ")[0] for w in caught if "native bf16" in str(w.message)]
+        assert settings == ([] if native else ["training.mixed_precision=bf16:", "rollout.compute_dtype=bfloat16:",
+                                               "model.dtype=bfloat16"])
+    reset_accelerate_state()
 
 
 def test_reference_model_kl_term_in_trainer(tiny):

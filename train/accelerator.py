@@ -16,6 +16,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
+from models.layers import cpu_bf16_emulated
+
 
 def _launched() -> bool:
     """True under a multi-process launcher (accelerate launch / torchrun set LOCAL_RANK and WORLD_SIZE)."""
@@ -36,10 +38,14 @@ def build_accelerator(
     """An Accelerator for the current launch (none, DDP or DeepSpeed; CUDA or CPU-only).
 
     ``mixed_precision`` None takes the launcher's setting (the accelerate config), else "no"; an explicit value
-    ("no" | "bf16" | "fp16") overrides it. bf16 works on CPU. ``micro_batch_size`` is the per-device batch
+    ("no" | "bf16" | "fp16") overrides it. bf16 works on CPU; where the CPU has no native bf16 products it becomes
+    "no", with a warning (``models.layers.cpu_bf16_emulated``). ``micro_batch_size`` is the per-device batch
     DeepSpeed is told about when its config leaves ``train_micro_batch_size_per_gpu`` on "auto".
     """
     cpu_only = not torch.cuda.is_available()
+    if cpu_only and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16" and \
+            cpu_bf16_emulated("training.mixed_precision=bf16"):
+        mixed_precision = "no"
     kwargs: dict[str, Any] = {}
     if cpu_only and _launched():
         # Without an explicit gloo backend a CPU DeepSpeed run sets up no process group (every rank alone),
