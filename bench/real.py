@@ -23,6 +23,12 @@ teaches the adapted model two-number Countdown (``configs/real/sft_smollm2_count
 scores it on held-out puzzles (``builtin:countdown2_test``), ``cd_rl`` runs TraceRL with the word-problem recipe on
 Countdown (``configs/real/rl_smollm2_countdown.yaml``) and ``cd_rl_eval`` scores the result.
 
+The full-attention variant, run by name (``--stages dream_convert,dream_converted,dream_adapt,dream_adapted``):
+``python -m tools.a2d --to dream`` (shifted logits, Dream-style), ``eval.py`` on it
+(``configs/real/eval_smollm2_dream.yaml``: semi-autoregressive blocks of 4, the same decoding otherwise), masked
+diffusion with shift on the same word problems (``train/sft_dream.py config=configs/real/sft_smollm2_dream.yaml``)
+and ``eval.py`` on the result.
+
 Every accuracy is on the same 128 two-digit word problems of the held-out split (``builtin:word_problems_test``,
 seed 2: the RL run's in-loop evaluation draws the same ones), greedy; the diffusion stages decode with block 4,
 low-confidence dynamic remasking at 0.9. With ``--t1`` the adapted and RL models are also scored as RL samples them
@@ -50,12 +56,16 @@ REPO = Path(__file__).resolve().parents[1]
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SFT_CONFIG, RL_CONFIG, EVAL_CONFIG = (f"configs/real/{name}_smollm2.yaml" for name in ("sft", "rl", "eval"))
 CD_SFT_CONFIG, CD_RL_CONFIG = (f"configs/real/{name}_smollm2_countdown.yaml" for name in ("sft", "rl"))
+DREAM_SFT_CONFIG, DREAM_EVAL_CONFIG = (f"configs/real/{name}_smollm2_dream.yaml" for name in ("sft", "eval"))
 SFT_PROJECT, RL_PROJECT = "real_sft_smollm2", "real_rl_smollm2"
 CD_SFT_PROJECT, CD_RL_PROJECT = "real_sft_smollm2_countdown", "real_rl_smollm2_countdown"
+DREAM_SFT_PROJECT = "real_sft_smollm2_dream"
 HELD_OUT = {"name": "builtin:word_problems_test", "seed": 2}  # eval_smollm2.yaml's dataset and seed
 CD_HELD_OUT = "builtin:countdown2_test"  # the Countdown stages' held-out puzzles (same seed)
 STAGES = ("ar", "convert", "converted", "adapt", "adapted", "rl", "rl_eval")
 CD_STAGES = ("cd_adapt", "cd_adapted", "cd_rl", "cd_rl_eval")  # run when asked for (--stages)
+DREAM_STAGES = ("dream_convert", "dream_converted", "dream_adapt", "dream_adapted")  # the same
+ALL_STAGES = STAGES + CD_STAGES + DREAM_STAGES
 SAMPLED_RESPONSES = 2  # per held-out problem, at temperature 1 (the policy as RL samples it)
 
 
@@ -122,6 +132,8 @@ class Stages:
         self.policy = self.runs / RL_PROJECT / "ckpt" / "optimized"
         self.cd_adapted = self.runs / CD_SFT_PROJECT / "ckpt" / "optimized"
         self.cd_policy = self.runs / CD_RL_PROJECT / "ckpt" / "optimized"
+        self.dream_converted = self.out / "smollm2_dream"
+        self.dream_adapted = self.runs / DREAM_SFT_PROJECT / "ckpt" / "optimized"
         self.report: dict = {"stages": {}}
 
     def command(self, stage: str, argv: list[str]) -> float:
@@ -141,17 +153,17 @@ class Stages:
         return self.command(stage, [entry, f"config={config}", f"experiment.output_dir={self.runs}",
                                     "experiment.overwrite=true", *overrides])
 
-    def evaluate(self, stage: str, model: Path, sampled: bool = False,
-                 dataset: str = HELD_OUT["name"]) -> tuple[dict, float]:
-        """Greedy held-out figures of ``model`` on ``dataset``; with ``sampled`` also its accuracy as it samples
-        in RL (temperature 1, ``SAMPLED_RESPONSES`` per problem): ``acc_t1``."""
+    def evaluate(self, stage: str, model: Path, sampled: bool = False, dataset: str = HELD_OUT["name"],
+                 config: str = EVAL_CONFIG) -> tuple[dict, float]:
+        """Greedy held-out figures of ``model`` on ``dataset`` (decoded as ``config`` says); with ``sampled`` also
+        its accuracy as it samples in RL (temperature 1, ``SAMPLED_RESPONSES`` per problem): ``acc_t1``."""
         common = [f"model.pretrained_model={model}", f"dataset.builtin_size={self.args.held_out}",
                   f"dataset.eval_dataset={dataset}"]
         project = f"real_eval_{stage}"
-        seconds = self.job(stage, "eval.py", EVAL_CONFIG, [*common, f"experiment.project={project}"])
+        seconds = self.job(stage, "eval.py", config, [*common, f"experiment.project={project}"])
         figures = eval_result(self.runs / project)
         if sampled and self.args.t1:
-            seconds += self.job(f"{stage}_t1", "eval.py", EVAL_CONFIG, [
+            seconds += self.job(f"{stage}_t1", "eval.py", config, [
                 *common, f"experiment.project={project}_t1", "rollout.temperature=1.0",
                 f"rollout.num_response_per_task={SAMPLED_RESPONSES}"])
             figures["acc_t1"] = eval_result(self.runs / f"{project}_t1")["acc"]
@@ -162,35 +174,43 @@ class Stages:
         acc = f" acc {figures['acc']:.3f}" if "acc" in figures else ""
         print(f"{stage:<10} {seconds:7.1f} s{acc}", flush=True)
 
+    def convert(self, stage: str, target: list[str], out: Path) -> float:
+        """``python -m tools.a2d`` from the AR source to ``target`` (its a2d arguments), written to ``out``."""
+        gguf = ["--gguf-file", self.args.gguf_file] if self.args.gguf_file else []
+        return self.command(stage, ["-m", "tools.a2d", "--source", self.args.source, *gguf, "--to", *target,
+                                    "--out", str(out)])
+
     def run(self, stages: list[str]) -> dict:
         """The ``stages`` in order (each needs what the stages before it wrote); the report (figures and seconds
         per stage)."""
         a = self.args
-        gguf = ["--gguf-file", a.gguf_file] if a.gguf_file else []
+        sft_steps = [f"training.max_steps={a.sft_steps}"] if a.sft_steps else []
         work = {
             "ar": lambda: self._timed(lambda: ar_baseline(Path(a.source), a.gguf_file, a.held_out)),
-            "convert": lambda: ({}, self.command("convert", ["-m", "tools.a2d", "--source", a.source, *gguf, "--to",
-                                                             "sdar", "--block-size", "4", "--out",
-                                                             str(self.converted)])),
+            "convert": lambda: ({}, self.convert("convert", ["sdar", "--block-size", "4"], self.converted)),
             "converted": lambda: self.evaluate("converted", self.converted),
             "adapt": lambda: ({}, self.job("adapt", "train/sft_sdar.py", SFT_CONFIG, [
-                f"model.pretrained_model={self.converted}",
-                *([f"training.max_steps={a.sft_steps}"] if a.sft_steps else [])])),
+                f"model.pretrained_model={self.converted}", *sft_steps])),
             "adapted": lambda: self.evaluate("adapted", self.adapted, sampled=True),
             "rl": lambda: ({}, self.job("rl", "rl.py", RL_CONFIG, [
                 f"model.pretrained_model={self.adapted}", f"evaluation.builtin_size={a.held_out}",
                 *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])])),
             "rl_eval": lambda: self.evaluate("rl_eval", self.policy, sampled=True),
             "cd_adapt": lambda: ({}, self.job("cd_adapt", "train/sft_sdar.py", CD_SFT_CONFIG, [
-                f"model.pretrained_model={self.adapted}",
-                *([f"training.max_steps={a.sft_steps}"] if a.sft_steps else [])])),
+                f"model.pretrained_model={self.adapted}", *sft_steps])),
             "cd_adapted": lambda: self.evaluate("cd_adapted", self.cd_adapted, sampled=True, dataset=CD_HELD_OUT),
             "cd_rl": lambda: ({}, self.job("cd_rl", "rl.py", CD_RL_CONFIG, [
                 f"model.pretrained_model={self.cd_adapted}", f"evaluation.builtin_size={a.held_out}",
                 *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])])),
             "cd_rl_eval": lambda: self.evaluate("cd_rl_eval", self.cd_policy, sampled=True, dataset=CD_HELD_OUT),
+            "dream_convert": lambda: ({}, self.convert("dream_convert", ["dream"], self.dream_converted)),
+            "dream_converted": lambda: self.evaluate("dream_converted", self.dream_converted,
+                                                     config=DREAM_EVAL_CONFIG),
+            "dream_adapt": lambda: ({}, self.job("dream_adapt", "train/sft_dream.py", DREAM_SFT_CONFIG, [
+                f"model.pretrained_model={self.dream_converted}", *sft_steps])),
+            "dream_adapted": lambda: self.evaluate("dream_adapted", self.dream_adapted, config=DREAM_EVAL_CONFIG),
         }
-        for stage in STAGES + CD_STAGES:
+        for stage in ALL_STAGES:
             if stage in stages:
                 self.done(stage, *work[stage]())
         return self.report
@@ -202,14 +222,17 @@ class Stages:
 
 
 def read_curves(runs: Path, stages: dict) -> dict:
-    """SFT loss per step, RL reward per step and the RL run's held-out accuracy at its evaluation steps (``cd_``:
-    the Countdown RL run's, when it ran). A run without in-loop evaluations is drawn from its two ends: the
-    ``stages``' scores of its starting model (step 0) and of its result (its last step)."""
+    """SFT loss per step (``dream_``: the full-attention variant's, when it ran), RL reward per step and the RL
+    run's held-out accuracy at its evaluation steps (``cd_``: the Countdown RL run's, when it ran). A run without
+    in-loop evaluations is drawn from its two ends: the ``stages``' scores of its starting model (step 0) and of its
+    result (its last step)."""
     from bench.methods import read_metrics
 
-    sft, rl, cd_rl = (read_metrics(path) if (path := runs / project / "metrics.jsonl").is_file() else []
-                      for project in (SFT_PROJECT, RL_PROJECT, CD_RL_PROJECT))
+    sft, dream_sft, rl, cd_rl = (read_metrics(path) if (path := runs / project / "metrics.jsonl").is_file() else []
+                                 for project in (SFT_PROJECT, DREAM_SFT_PROJECT, RL_PROJECT, CD_RL_PROJECT))
     curves = {"sft_nll": [(m["step"], m["nll"]) for m in sft if "nll" in m]}
+    if dream_sft:
+        curves["dream_sft_nll"] = [(m["step"], m["nll"]) for m in dream_sft if "nll" in m]
     for prefix, run, start, end in (("", rl, "adapted", "rl_eval"), ("cd_", cd_rl, "cd_adapted", "cd_rl_eval")):
         reward = curves[f"{prefix}rl_reward"] = [(m["step"], m["reward"]) for m in run if "reward" in m]
         held_out = [(m["step"], m["eval_acc"]) for m in run if "eval_acc" in m]
@@ -229,10 +252,12 @@ def plot(curves: dict, path: Path) -> None:
     for ax, key, title in zip(axes, ("sft_nll", "rl_reward", "rl_held_out"),
                               ("adaptation: masked-token NLL", "RL: mean reward", "RL: held-out accuracy"),
                               strict=True):
-        for name, label in ((key, "word problems"), (f"cd_{key}", "Countdown")):
-            if curves.get(name):
-                ax.plot(*zip(*curves[name], strict=True), marker="." if key != "sft_nll" else None, label=label)
-        if curves.get(f"cd_{key}"):
+        drawn = [(name, label) for name, label in ((key, "word problems"), (f"cd_{key}", "Countdown"),
+                                                   (f"dream_{key}", "word problems, full attention"))
+                 if curves.get(name)]
+        for name, label in drawn:
+            ax.plot(*zip(*curves[name], strict=True), marker="." if key != "sft_nll" else None, label=label)
+        if len(drawn) > 1:
             ax.legend()
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -244,7 +269,8 @@ def plot(curves: dict, path: Path) -> None:
 
 ROWS = [("ar", "(i) AR model, greedy"), ("converted", "(ii) converted, before adaptation"),
         ("adapted", "(iii) after adaptation"), ("rl_eval", "(iv) after RL"),
-        ("cd_adapted", "Countdown: after its SFT"), ("cd_rl_eval", "Countdown: after RL")]
+        ("cd_adapted", "Countdown: after its SFT"), ("cd_rl_eval", "Countdown: after RL"),
+        ("dream_converted", "full attention: converted"), ("dream_adapted", "full attention: adapted")]
 
 
 def format_table(report: dict) -> str:
@@ -276,12 +302,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--t1", action="store_true", help="also score the adapted and RL models at temperature 1 (two "
                     "samples per problem: acc T=1)")
     ap.add_argument("--stages", default=",".join(STAGES),
-                    help=f"comma-separated stages to run (the Countdown ones: {','.join(CD_STAGES)}); the others "
-                         "keep their figures of OUT/report.json")
+                    help=f"comma-separated stages to run (by name only: the Countdown ones {','.join(CD_STAGES)}, "
+                         f"the full-attention ones {','.join(DREAM_STAGES)}); the others keep their figures of "
+                         "OUT/report.json")
     args = ap.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
-    if unknown := set(args.stages) - set(STAGES + CD_STAGES):
-        ap.error(f"--stages: unknown {', '.join(sorted(unknown))} (stages: {', '.join(STAGES + CD_STAGES)})")
+    if unknown := set(args.stages) - set(ALL_STAGES):
+        ap.error(f"--stages: unknown {', '.join(sorted(unknown))} (stages: {', '.join(ALL_STAGES)})")
     if args.source is None and not args.report:
         args.source, args.gguf_file = str(smollm2_folder()), args.gguf_file or GGUF_FILE
     return args
@@ -304,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             kept = {k: v for k, v in earlier.get("stages", {}).items() if k not in args.stages}
             ran = Stages(args).run(args.stages)["stages"]
             report = {"hardware": hardware_line("cpu"), "source": source,
-                      "stages": {k: ran.get(k, kept.get(k)) for k in STAGES + CD_STAGES if k in ran or k in kept}}
+                      "stages": {k: ran.get(k, kept.get(k)) for k in ALL_STAGES if k in ran or k in kept}}
         report["curves"] = read_curves(out / "runs", report["stages"])
         write_atomic(out / "report.json", json.dumps(report, indent=1))
         plot(report["curves"], out / "curves.png")

@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from bench.real import format_table, last_number, main, smollm2_folder, tokens_per_forward
+from bench.real import DREAM_STAGES, format_table, last_number, main, smollm2_folder, tokens_per_forward
 from core.errors import UserError
 
 
@@ -76,3 +76,22 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
         assert "countdown2" in yaml.safe_load((out / "runs" / run / "config.yaml").read_text())["dataset"][key]
     assert [s for s, _ in report["curves"]["cd_rl_reward"]] == [1]
     assert "Countdown: after RL" in capsys.readouterr().out
+
+    # the full-attention variant, asked for by name: converted with shifted logits, scored with its own decoding
+    # config, adapted by masked diffusion with shift and scored again
+    assert main(["--source", str(source), "--out", str(out), "--held-out", "4", "--sft-steps", "2",
+                 "--stages", ",".join(DREAM_STAGES)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["stages"])[-4:] == list(DREAM_STAGES)
+    assert json.loads((out / "smollm2_dream" / "config.json").read_text())["a2d"]["target"] == "dream"
+    for stage, model in (("dream_converted", out / "smollm2_dream"),
+                         ("dream_adapted", out / "runs" / "real_sft_smollm2_dream" / "ckpt" / "optimized")):
+        assert report["stages"][stage]["tasks"] == 4
+        run = yaml.safe_load((out / "runs" / f"real_eval_{stage}" / "config.yaml").read_text())
+        assert run["model"] == {**run["model"], "model_base": "dream", "pretrained_model": str(model)}
+        assert run["rollout"]["block_size"] == 4
+    assert yaml.safe_load((out / "runs" / "real_sft_smollm2_dream" / "config.yaml").read_text())["training"][
+        "method"] == "random_masking"
+    assert [s for s, _ in report["curves"]["dream_sft_nll"]] == [1, 2]
+    assert [s for s, _ in report["curves"]["sft_nll"]] == [1, 2]  # the block recipe's curve is still there
+    assert "full attention: adapted" in capsys.readouterr().out
