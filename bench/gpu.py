@@ -23,8 +23,9 @@
    expert compute (one grouped product) vs the per-expert split vs every expert on every token at decode and
    training shapes, and the host syncs per forward (counted by torch's sync debug mode; 0 expected).
    ``attention``: one decode step's attention alone (4 queries per row over 128-2,048 cached keys with an invalid
-   tail, at the largest batch): SDPA with ``enable_gqa`` and the mask (CUDA's path) vs the query heads folded into
-   the query axis (CPU's path) vs no mask (a lower bound).
+   tail, at the largest batch): SDPA with ``enable_gqa`` and the mask vs the query heads folded into the query axis
+   (what ``attend`` runs where ``models.common.FOLD_QUERY_HEADS`` says so) vs no mask (a lower bound); on CUDA also
+   each form held to one SDPA kernel. ``--fold-query-heads on|off`` sets that choice for the sampler rows.
 4. Smoke runs of the real entry points on this device, each in its own process: ``eval.py`` on the demo config,
    2 steps of ``rl.py`` (full, LoRA, and QLoRA on CUDA), 2 steps of SFT, and a single-GPU DeepSpeed ZeRO-3 RL step
    (``accelerate launch``). The first run that needs the demo SFT model trains it (about a minute on an H100).
@@ -321,11 +322,11 @@ def profile_rows(args, device: str) -> list[dict]:
 def attention_rows(args, device: str) -> list[dict]:
     """One decode step's attention, alone: a block of 4 queries per row over a cache of ``keys`` columns whose
     tail is invalid (each row's valid length drawn from [keys / 2, keys], as in the fixed-capacity cache), for
-    each ``--shapes`` at the largest ``--batches``. Three ways: SDPA with ``enable_gqa`` and the additive mask
-    (what CUDA runs today); the query heads that share a K/V head folded into the query axis
-    (``models.common._grouped_query_attention``, what CPU runs); and no mask at all, a lower bound that ignores
-    validity. The batch-128 profile puts a quarter of the graphed step in this call: if the folded form is faster
-    on the GPU, ``attend`` should take it there too."""
+    each ``--shapes`` at the largest ``--batches``. Three ways: SDPA with ``enable_gqa`` and the additive mask;
+    the query heads that share a K/V head folded into the query axis (``models.common._grouped_query_attention``);
+    and no mask at all, a lower bound that ignores validity. The measurement behind
+    ``models.common.FOLD_QUERY_HEADS["cuda"]`` (the batch-128 profile put a quarter of the graphed step in this
+    call; folded, it was 2.0-2.8x faster on the SDAR-4B shape on an H100)."""
     batch, rows = max(args.batches), []
     for shape in args.shapes:
         for keys in ((32, 64) if args.quick else (128, 512, 2048)):
@@ -355,9 +356,25 @@ def _decode_attention_row(shape: str, batch: int, keys: int, device: str, dtype:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
     with torch.no_grad():
-        return {"shape": shape, "batch": batch, "keys": keys, "gqa_ms": _best_ms(device, gqa),
-                "folded_ms": _best_ms(device, folded), "no_mask_ms": _best_ms(device, unmasked),
-                "max_diff": float((folded() - gqa()).float().abs().max())}
+        row = {"shape": shape, "batch": batch, "keys": keys, "gqa_ms": _best_ms(device, gqa),
+               "folded_ms": _best_ms(device, folded), "no_mask_ms": _best_ms(device, unmasked),
+               "max_diff": float((folded() - gqa()).float().abs().max())}
+        if device.startswith("cuda"):  # which fused kernel SDPA picks decides the masked forms' cost: each one alone
+            for kernel in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+                for name, fn in (("gqa", gqa), ("folded", folded)):
+                    row[f"{name}_{kernel.split('_')[0].lower()}_ms"] = _kernel_ms(device, fn, kernel)
+        return row
+
+
+def _kernel_ms(device: str, fn, kernel: str) -> float | None:
+    """``fn``'s best time with SDPA held to one kernel; None where that kernel refuses the inputs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel([getattr(SDPBackend, kernel)]):
+            return _best_ms(device, fn)
+    except RuntimeError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------ MoE layer
@@ -552,6 +569,10 @@ def report(result: dict) -> str:
                          f"{r['gqa_ms']:.3f}, heads folded {r['folded_ms']:.3f} "
                          f"({r['gqa_ms'] / r['folded_ms']:.2f}x), no mask {r['no_mask_ms']:.3f}; "
                          f"max diff {r['max_diff']:.1e}")
+            kernels = {k.removesuffix("_ms"): v for k, v in r.items() if k.count("_") == 2 and k.endswith("_ms")}
+            if kernels:
+                lines.append("    one kernel: " + ", ".join(f"{k} {'refused' if v is None else f'{v:.3f}'}"
+                                                         for k, v in kernels.items()))
     if result.get("profile"):
         lines.append("where a sampler run's time goes (static decoding, under torch.profiler):")
         for r in result["profile"]:
@@ -577,6 +598,16 @@ SECTIONS = {"sampler": sampler_rows, "fuse": fuse_rows, "training": training_row
 DEFAULT_SECTIONS = ["sampler", "fuse", "training", "moe", "attention", "smoke", "serve"]
 
 
+def _fold_query_heads(device: str, choice: str) -> bool:
+    """Sets (``on`` / ``off``) or reads (``default``) whether decode attention folds query heads on ``device``."""
+    from models import common
+
+    kind = torch.device(device).type
+    if choice != "default":
+        common.FOLD_QUERY_HEADS[kind] = choice == "on"
+    return common.FOLD_QUERY_HEADS.get(kind, False)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -589,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), help=f"some of {','.join(SECTIONS)}")
     ap.add_argument("--shapes", default=None, help=f"sampler model shapes, some of {','.join(SHAPES)}")
     ap.add_argument("--batches", default=None, help="sampler batch sizes, e.g. 1,32,128")
+    ap.add_argument("--fold-query-heads", choices=("default", "on", "off"), default="default",
+                    help="fold query heads in decode attention (models.common.FOLD_QUERY_HEADS), in-process sections")
     args = ap.parse_args(argv)
     sections = args.sections.split(",")
     if unknown := [s for s in sections if s not in SECTIONS]:
@@ -604,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
-    result = {"device": f"device: {name}, torch {torch.__version__}", "command": " ".join(sys.argv)}
+    result = {"device": f"device: {name}, torch {torch.__version__}", "command": " ".join(sys.argv),
+              "fold_query_heads": _fold_query_heads(args.device, args.fold_query_heads)}
     print(result["device"], flush=True)
     for section in sections:
         result[section] = SECTIONS[section](args, args.device)

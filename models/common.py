@@ -171,6 +171,14 @@ def stored_columns(store: bool | int, new: int) -> int:
 
 # ---------------------------------------------------------------- attention
 
+# Decode steps over a cache fold the query heads that share a K/V head into the query axis
+# (``_grouped_query_attention``) on these devices, as measured. CPU: 1.3-1.4x per call at batch 32
+# (``bench.cpu_kernels``). CUDA (H100, bf16, batch 128, 4 queries over 128-2,048 keys; ``bench.gpu --sections
+# attention``): 1.1-1.7x per call on SDAR-1.7B's 2 query heads per K/V head, 2.0-2.8x on SDAR-4B's 4, since each
+# K/V head is read once instead of once per query head; the SDAR-4B batch-128 sampler 1.27x with CUDA graphs
+# (``--fold-query-heads on`` / ``off``).
+FOLD_QUERY_HEADS = {"cpu": True, "cuda": True}
+
 
 def attend(
     q: Tensor,
@@ -201,7 +209,7 @@ def attend(
     if cache is None and not q.is_cuda and not unmasked and _split_pays(layout):
         return _split_attention(q, k, v, layout)
     groups = q.shape[1] // k.shape[1]
-    if past is not None and groups > 1 and not q.is_cuda:
+    if past is not None and groups > 1 and FOLD_QUERY_HEADS.get(q.device.type, False):
         mask = None if unmasked else additive_mask(layout, cache, q.dtype, groups)
         return _grouped_query_attention(q, k_all, v_all, mask)
     mask = None if unmasked else additive_mask(layout, past, q.dtype)
@@ -213,14 +221,15 @@ def _grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
 
     Each query meets the same keys in the same order as under ``enable_gqa``, so on CPU the result is the same
     bit for bit; but a decode step (a few queries over many cached keys) becomes one [G*Q, L] problem per K/V head
-    instead of G [Q, L] ones, too small for the fused kernel. On 2 cores (``bench.cpu_kernels``): 1.3-1.4x per call
-    at batch 32 with 4 queries over 100 keys, about equal at batch 1 and with long caches; a batch-32 rollout
-    ~1.1x. ``mask`` is the layout's mask repeated for the G heads (``additive_mask(..., groups=G)``), or None.
+    instead of G [Q, L] ones, each too small for a fused kernel, and each K/V head is read once. On 2 cores
+    (``bench.cpu_kernels``): 1.3-1.4x per call at batch 32 with 4 queries over 100 keys, about equal at batch 1 and
+    with long caches; a batch-32 rollout ~1.1x. On an H100: see ``FOLD_QUERY_HEADS``. ``mask`` is the layout's
+    mask repeated for the G heads (``additive_mask(..., groups=G)``), or None.
     """
     b, h, n, d = q.shape
     kv = k.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv * n, d), k, v, attn_mask=mask)
-    return out.view(b, h, n, d)
+    return out.reshape(b, h, n, d)  # on CUDA the kernels may return [B, G*Q, Hkv, D] strides: not a view
 
 
 def mask_per_group(mask: Tensor, groups: int) -> Tensor:

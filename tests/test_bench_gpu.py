@@ -29,7 +29,7 @@ def test_quick_cpu_run_measures_every_section_but_the_smoke_runs(tmp_path):
     assert all(r["max_diff"] < 1e-4 and r["host_syncs_per_forward"] is None for r in moe)  # fp32 on CPU
     attention = result["attention"]
     assert [(r["batch"], r["keys"]) for r in attention] == [(3, 32), (3, 64)]
-    # the folded heads (CPU's path) give the enable_gqa path's values (fp32)
+    # the folded heads (what attend runs on CPU and CUDA) give the enable_gqa path's values (fp32)
     assert all(r["max_diff"] < 1e-5 and min(r["gqa_ms"], r["folded_ms"], r["no_mask_ms"]) > 0 for r in attention)
     assert "smoke" not in result
 
@@ -66,3 +66,19 @@ def test_a_hung_run_is_a_failed_row_not_the_end_of_the_acceptance_run():
 
     proc = gpu._run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"], timeout=2)
     assert proc.returncode != 0 and proc.stderr == "timed out after 2 s" and "started" in proc.stdout
+
+
+@pytest.mark.parametrize("choice", ["off", "on"])
+def test_fold_query_heads_switches_the_decode_attention_of_the_sampler_rows(choice, tmp_path, monkeypatch):
+    from models import common
+
+    monkeypatch.setitem(common.FOLD_QUERY_HEADS, "cpu", choice == "off")  # start from the other setting
+    folded = []
+    fold = common._grouped_query_attention
+    monkeypatch.setattr(common, "_grouped_query_attention", lambda *a: folded.append(1) or fold(*a))
+    out = tmp_path / "bench_gpu.json"
+    assert gpu.main(["--quick", "--device", "cpu", "--sections", "sampler", "--batches", "3",
+                     "--fold-query-heads", choice, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["fold_query_heads"] is (choice == "on")
+    assert common.FOLD_QUERY_HEADS["cpu"] is (choice == "on")
+    assert bool(folded) is (choice == "on")  # the tiny shape has 2 query heads per K/V head

@@ -552,7 +552,7 @@ def test_sampling_with_compute_dtype_bf16_runs_bf16_products(tiny, monkeypatch):
 
 
 def test_grouped_query_attention_equals_sdpa_with_gqa():
-    """Decode attention on CPU folds the query heads sharing a K/V head into the query axis: the same result as
+    """Decode attention (CPU and CUDA) folds the query heads sharing a K/V head into the query axis: the same result as
     SDPA's ``enable_gqa`` (to float32 rounding; on CPU it is bit-identical) for any visibility pattern, with the
     layout's mask repeated per head group."""
     import torch.nn.functional as F
@@ -568,6 +568,25 @@ def test_grouped_query_attention_equals_sdpa_with_gqa():
         torch.testing.assert_close(_grouped_query_attention(q, k, v, mask_per_group(mask, heads // kv)),
                                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
                                    atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_query_attention_takes_an_output_that_is_not_a_view(monkeypatch):
+    """CUDA's fused kernels return the folded output [B, Hkv, G*Q, D] with [B, G*Q, Hkv, D] strides, which cannot be
+    viewed as [B, H, Q, D] (an H100 run failed six GPU tests on it); the unfolding copies where it must."""
+    import torch.nn.functional as F
+
+    from models import common
+
+    sdpa = F.scaled_dot_product_attention
+
+    def kernel_layout(q, k, v, attn_mask=None):  # the same values, laid out as the CUDA kernels return them
+        return sdpa(q, k, v, attn_mask=attn_mask).transpose(1, 2).contiguous().transpose(1, 2)
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, t, 8, generator=g) for h, t in ((8, 4), (2, 12), (2, 12)))
+    expected = common._grouped_query_attention(q, k, v, None)
+    monkeypatch.setattr(common.F, "scaled_dot_product_attention", kernel_layout)
+    torch.testing.assert_close(common._grouped_query_attention(q, k, v, None), expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("model_base", FAMILY_BASES)
