@@ -185,6 +185,7 @@ class Stages:
         per stage)."""
         a = self.args
         sft_steps = [f"training.max_steps={a.sft_steps}"] if a.sft_steps else []
+        rl_steps = [f"experiment.total_step={a.rl_steps}"] if a.rl_steps else []
         work = {
             "ar": lambda: self._timed(lambda: ar_baseline(Path(a.source), a.gguf_file, a.held_out)),
             "convert": lambda: ({}, self.convert("convert", ["sdar", "--block-size", "4"], self.converted)),
@@ -193,15 +194,13 @@ class Stages:
                 f"model.pretrained_model={self.converted}", *sft_steps])),
             "adapted": lambda: self.evaluate("adapted", self.adapted, sampled=True),
             "rl": lambda: ({}, self.job("rl", "rl.py", RL_CONFIG, [
-                f"model.pretrained_model={self.adapted}", f"evaluation.builtin_size={a.held_out}",
-                *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])])),
+                f"model.pretrained_model={self.adapted}", f"evaluation.builtin_size={a.held_out}", *rl_steps])),
             "rl_eval": lambda: self.evaluate("rl_eval", self.policy, sampled=True),
             "cd_adapt": lambda: ({}, self.job("cd_adapt", "train/sft_sdar.py", CD_SFT_CONFIG, [
                 f"model.pretrained_model={self.adapted}", *sft_steps])),
             "cd_adapted": lambda: self.evaluate("cd_adapted", self.cd_adapted, sampled=True, dataset=CD_HELD_OUT),
             "cd_rl": lambda: ({}, self.job("cd_rl", "rl.py", CD_RL_CONFIG, [
-                f"model.pretrained_model={self.cd_adapted}", f"evaluation.builtin_size={a.held_out}",
-                *([f"experiment.total_step={a.rl_steps}"] if a.rl_steps else [])])),
+                f"model.pretrained_model={self.cd_adapted}", f"evaluation.builtin_size={a.held_out}", *rl_steps])),
             "cd_rl_eval": lambda: self.evaluate("cd_rl_eval", self.cd_policy, sampled=True, dataset=CD_HELD_OUT),
             "dream_convert": lambda: ({}, self.convert("dream_convert", ["dream"], self.dream_converted)),
             "dream_converted": lambda: self.evaluate("dream_converted", self.dream_converted,

@@ -6,7 +6,7 @@ here once so that the sampler and the trainer see exactly the same computation f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,15 @@ class AttentionLayout:
 
     This one rule covers all layouts we need: full attention (all blocks 0), causal (block = position),
     block-causal (block = position // b), the TraceRL doubled layout (clean response + a masked copy) and the
-    packed layout (several masked copies, one per round).
+    packed layout (several masked copies, one per round). The one exception, attention annealing (``annealed``),
+    adds random (query, key) pairs no per-token rule can describe: ``extra``, a dense [N, N] pattern shared by the
+    rows, ORed into the rule (its keys still only where valid).
     """
 
     block: Tensor  # [B, N] long
     copy: Tensor  # [B, N] long, 0 = clean
     valid: Tensor  # [B, N] bool, False = padding (never a visible key)
+    extra: Tensor | None = None  # [N, N] bool: more visible pairs (query, key), for every row
     # Masks derived from the vectors, built once per forward and shared by all layers. A layout is treated as
     # immutable once it has been used.
     _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -58,6 +61,15 @@ class AttentionLayout:
         block = torch.arange(n, device=valid.device).expand(b, n).contiguous()
         return cls(block, torch.zeros_like(block), valid.bool())
 
+    @classmethod
+    def annealed(cls, valid: Tensor, ratio: float, generator: torch.Generator | None = None) -> AttentionLayout:
+        """Causal attention with each later key also visible with probability ``ratio``, one draw for all rows: the
+        attention mask annealing of DiffuLLaMA (arXiv 2410.17891), which adapts an AR model to full attention by
+        raising ``ratio`` from 0 to 1 over training."""
+        n = valid.shape[1]
+        extra = torch.rand(n, n, generator=generator).to(valid.device) < ratio
+        return replace(cls.causal(valid), extra=extra)
+
     def dense_mask(self) -> Tensor:
         """Boolean [B, 1, N, N] mask (True = visible), built by broadcasting the per-token vectors."""
         if "dense" not in self._masks:
@@ -69,10 +81,13 @@ class AttentionLayout:
         same = torch.eye(n, dtype=torch.bool, device=self.block.device)
         mask = visible(self.block[:, :, None], self.block[:, None, :], self.copy[:, :, None], self.copy[:, None, :],
                        self.valid[:, None, :], same)
+        if self.extra is not None:
+            mask = mask | (self.extra[None] & self.valid[:, None, :])
         return mask[:, None]
 
     def to(self, device: torch.device | str) -> AttentionLayout:
-        return AttentionLayout(self.block.to(device), self.copy.to(device), self.valid.to(device))
+        extra = None if self.extra is None else self.extra.to(device)
+        return AttentionLayout(self.block.to(device), self.copy.to(device), self.valid.to(device), extra)
 
 
 def visible(block_q: Tensor, block_k: Tensor, copy_q: Tensor, copy_k: Tensor, valid_k: Tensor,
@@ -368,10 +383,11 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
 def _flex_block_mask(layout: AttentionLayout, n: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    block, copy, valid = layout.block, layout.copy, layout.valid
+    block, copy, valid, extra = layout.block, layout.copy, layout.valid, layout.extra
 
     def mask_mod(b, h, qi, kj):  # the AttentionLayout rule, evaluated per (query, key) pair
-        return visible(block[b, qi], block[b, kj], copy[b, qi], copy[b, kj], valid[b, kj], qi == kj)
+        seen = visible(block[b, qi], block[b, kj], copy[b, qi], copy[b, kj], valid[b, kj], qi == kj)
+        return seen if extra is None else seen | (extra[qi, kj] & valid[b, kj])
 
     return create_block_mask(mask_mod, block.shape[0], None, n, n, device=device)
 

@@ -182,6 +182,41 @@ def test_dense_mask_matches_sdpa_with_explicit_additive_mask(tiny):
     assert torch.equal(mask, expected)
 
 
+def test_annealed_layout_is_causal_plus_the_drawn_pairs_and_every_backend_reads_it(tiny):
+    """Attention annealing (DiffuLLaMA): causal, plus each (query, key) pair of the draw where the key is valid;
+    ratio 0 is the causal layout, ratio 1 the full one; the dense mask (SDPA) and FlexAttention's block mask agree,
+    and a cut of rows and columns keeps the draw's corner."""
+    from train.layouts import select_layout_rows
+
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    valid[1, 4:] = False
+    g = torch.Generator().manual_seed(0)
+    drawn = AttentionLayout.annealed(valid, 0.5, g)
+    extra = torch.rand(6, 6, generator=torch.Generator().manual_seed(0)) < 0.5  # the same draw
+    causal = AttentionLayout.causal(valid).dense_mask()[:, 0]
+    assert torch.equal(drawn.extra, extra) and 0 < int(extra.triu(1).sum()) < 15  # some later keys, not all
+    assert torch.equal(drawn.dense_mask()[:, 0], causal | (extra[None] & valid[:, None, :]))
+    not_self = ~torch.eye(6, dtype=torch.bool)
+    assert not (drawn.dense_mask()[1, 0] & not_self)[:, 4:].any()  # padding keys stay hidden (but to themselves)
+    assert torch.equal(AttentionLayout.annealed(valid, 0.0).dense_mask(), AttentionLayout.causal(valid).dense_mask())
+    assert torch.equal(AttentionLayout.annealed(valid, 1.0).dense_mask(), AttentionLayout.full(valid).dense_mask())
+    cut = select_layout_rows(drawn, torch.tensor([1]), 4)
+    assert torch.equal(cut.dense_mask(), drawn.dense_mask()[1:, :, :4, :4])
+    a = tiny("dream")
+    ids = torch.randint(0, 50, (2, 6), generator=g)
+    pos = torch.arange(6).expand(2, -1)
+    with torch.no_grad():
+        ref = a.forward(ids, pos, drawn)
+        a.model.config.attn_backend = "flex"
+        try:
+            flex = a.forward(ids, pos, AttentionLayout(drawn.block, drawn.copy, drawn.valid, drawn.extra))
+        finally:
+            a.model.config.attn_backend = "sdpa"
+        causal_logits = a.forward(ids, pos, AttentionLayout.causal(valid))
+    torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ref[0], causal_logits[0], atol=1e-3)  # the drawn pairs change what row 0 computes
+
+
 # ---------------------------------------------------------------- adapter / loading errors
 
 

@@ -345,3 +345,41 @@ def test_hub_datasets_are_read_through_the_datasets_cache(monkeypatch):
         read_rows("hub:org/missing")
     with pytest.raises(Exception, match="expected hub:<org>/<name>"):
         read_rows("hub:no-org")
+
+
+def test_attention_annealing_trains_causal_plus_a_growing_share_of_later_keys(tiny):
+    """``training.attention_annealing_steps=4``: SFT step s (1-based) of a full-attention model trains under the
+    causal layout plus each later key with probability s / 4, one seeded draw per step; from step 4 on, the view's
+    own full attention. The loss is the one computed under that layout."""
+    from models.common import AttentionLayout
+
+    dream = tiny("dream", seed=1)
+    samples = [sft_sample([5, 6, 7], [20, 21, 22, 23, 24, 25], "a"), sft_sample([8, 9], [30, 31, 32], "b")]
+    cfg = SFTTrainingConfig(method="random_masking", samples_per_step=None, attention_annealing_steps=4, seed=2)
+    trainer = SFTTrainer(dream, cfg, OptimizerParams(), accelerator=build_accelerator())
+    advantages = {"a": 1.0, "b": 1.0}
+    shares = []
+    for step in (1, 2, 3, 4, 5):
+        trainer.rl_step = step
+        (batch,) = trainer.build_views(samples, advantages)
+        if step >= 4:
+            assert batch.layout.extra is None and not batch.layout.block.any()  # full attention
+            continue
+        want = AttentionLayout.annealed(batch.layout.valid, step / 4, trainer._generator(7))
+        assert torch.equal(batch.layout.extra, want.extra)
+        assert torch.equal(batch.layout.block, torch.arange(batch.input_ids.shape[1]).expand_as(batch.layout.block))
+        n = batch.layout.extra.shape[0]
+        shares.append(float(batch.layout.extra.triu(1).sum()) / (n * (n - 1) / 2))
+        with torch.no_grad():
+            got = trainer.loss(batch, trainer.forward_logprobs(trainer.model, batch)).loss
+            logp = dream.forward(batch.input_ids, batch.position_ids, batch.layout).float().log_softmax(-1)
+            want_loss = -(batch.weights * logp[batch.rows, batch.cols, batch.labels]).sum()
+        torch.testing.assert_close(got, want_loss, atol=1e-5, rtol=1e-5)
+    assert shares[0] < shares[2]  # ~1/4 of the later keys, then ~3/4
+
+
+@pytest.mark.parametrize("model_base, method", [("sdar", "random_masking"), ("dream", "ar")])
+def test_attention_annealing_needs_full_attention_to_reach(tiny, model_base, method):
+    cfg = SFTTrainingConfig(method=method, attention_annealing_steps=10)
+    with pytest.raises(Exception, match="attention_annealing_steps.*no full attention to reach"):
+        SFTTrainer(tiny(model_base), cfg, OptimizerParams(), accelerator=build_accelerator())

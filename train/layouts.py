@@ -69,4 +69,5 @@ def collate_rows(rows: list[list[Segment]], pad_id: int) -> RowTensors:
 
 def select_layout_rows(layout: AttentionLayout, rows: Tensor, width: int) -> AttentionLayout:
     """The layout of a subset of rows, cut to the first ``width`` columns."""
-    return AttentionLayout(layout.block[rows, :width], layout.copy[rows, :width], layout.valid[rows, :width])
+    extra = None if layout.extra is None else layout.extra[:width, :width]
+    return AttentionLayout(layout.block[rows, :width], layout.copy[rows, :width], layout.valid[rows, :width], extra)

@@ -189,6 +189,10 @@ class SFTTrainingConfig(TrainerSettings, ViewConfig):
     samples_per_step: int | None = bounded(16, 1)  # samples per optimiser step and process
     save_every: int = bounded(0, 0)  # optimiser steps between checkpoints (0 = only at the end)
     max_steps: int = bounded(0, 0)  # stop after this many optimiser steps (0 = num_train_epochs passes)
+    # full-attention models adapted from AR ones: attention mask annealing (DiffuLLaMA, arXiv 2410.17891) over the
+    # first this many steps, causal plus each later key visible with probability step / attention_annealing_steps;
+    # full attention after (0 = full attention from the start)
+    attention_annealing_steps: int = bounded(0, 0)
 
     def validate(self) -> None:
         if self.method not in SFT_METHODS:

@@ -7,7 +7,7 @@ Samples are ``Trajectory`` records of (prompt, response[, step map]); the SFT me
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +15,7 @@ from torch import Tensor
 
 from core.loader import ConfigError
 from core.schema import replace
+from models.common import AttentionLayout
 from sample.trajectory import Trajectory
 from train.batch import TrainBatch
 from train.loss import LossOutput
@@ -53,11 +54,28 @@ class SFTTrainer(Trainer):
             raise ConfigError("key 'training.method': ar SFT needs a model adapted from an AR model (shifted logits: "
                               f"Dream / DiffuCoder); {adapter.model_base} would see the token it predicts",
                               "training.method")
+        if cfg.attention_annealing_steps and (adapter.attention != "full" or cfg.view_method("full") == "ar"):
+            raise ConfigError("key 'training.attention_annealing_steps': attention annealing takes a full-attention "
+                              f"model from causal to full attention; {adapter.model_base} with method "
+                              f"{cfg.method} has no full attention to reach", "training.attention_annealing_steps")
         super().__init__(adapter, replace(cfg, method=cfg.view_method(adapter.attention)), *args, **kwargs)
 
     def train_samples(self, samples: Sequence[Trajectory]) -> list[dict[str, float]]:
         """One optimiser step (or more, with ``samples_per_step``) on SFT samples."""
         return self.train_step(samples, {s.sample_id: 1.0 for s in samples})
+
+    def build_views(self, trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
+                    epoch: int = 0) -> list[TrainBatch]:
+        """The views, each under the step's annealed attention while ``attention_annealing_steps`` lasts."""
+        batches = super().build_views(trajectories, advantages, epoch)
+        ratio = self.rl_step / self.cfg.attention_annealing_steps if self.cfg.attention_annealing_steps else 1.0
+        if ratio >= 1.0:
+            return batches
+        for b in batches:  # what annealing replaces must be full attention, or structure would be lost
+            if bool((b.layout.block != 0).any() or (b.layout.copy != 0).any()):
+                raise ValueError("attention annealing: the view's rows are not one full-attention block each")
+        return [replace(b, layout=AttentionLayout.annealed(b.layout.valid, ratio, self._generator(7 + i)))
+                for i, b in enumerate(batches)]
 
     def model_outputs(self, mb: TrainBatch) -> Tensor:
         return self.forward_logprobs(self.model, mb)

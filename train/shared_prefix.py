@@ -55,7 +55,7 @@ class SharedPlan:
 def shared_prefix_plan(mb: TrainBatch) -> SharedPlan | None:
     """The plan of a host micro-batch whose rows share prompt prefixes, or None when sharing would not cut its
     padded tokens below ``MAX_SHARED_FRACTION``."""
-    if mb.shared_cols is None or mb.num_rows < 2:
+    if mb.shared_cols is None or mb.num_rows < 2 or mb.layout.extra is not None:  # extra: pairs it cannot split
         return None
     width = mb.input_ids.shape[1]
     shared = _shareable_columns(mb)
