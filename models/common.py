@@ -186,13 +186,19 @@ def stored_columns(store: bool | int, new: int) -> int:
 
 # ---------------------------------------------------------------- attention
 
-# Decode steps over a cache fold the query heads that share a K/V head into the query axis
-# (``_grouped_query_attention``) on these devices, as measured. CPU: 1.3-1.4x per call at batch 32
-# (``bench.cpu_kernels``). CUDA (H100, bf16, batch 128, 4 queries over 128-2,048 keys; ``bench.gpu --sections
+# Forwards over a cache fold the query heads that share a K/V head into the query axis
+# (``_grouped_query_attention``) unless their device is set False here. CPU: see that function. CUDA: measured for
+# the sampler's decode only (H100, bf16, batch 128, 4 queries over 128-2,048 keys; ``bench.gpu --sections
 # attention``): 1.1-1.7x per call on SDAR-1.7B's 2 query heads per K/V head, 2.0-2.8x on SDAR-4B's 4, since each
-# K/V head is read once instead of once per query head; the SDAR-4B batch-128 sampler 1.27x with CUDA graphs
-# (``--fold-query-heads on`` / ``off``).
+# K/V head is read once instead of once per query head; the SDAR-4B batch-128 sampler 1.28x with CUDA graphs
+# (``--fold-query-heads on`` / ``off``). A CUDA forward under autograd (training over a shared prompt prefix, with
+# hundreds of queries) keeps ``enable_gqa``: unmeasured there, and its backward would keep the G-times mask too.
 FOLD_QUERY_HEADS = {"cpu": True, "cuda": True}
+
+
+def folds_query_heads(q: Tensor) -> bool:
+    """Whether a forward over a cache with these queries folds the query heads (``FOLD_QUERY_HEADS``)."""
+    return FOLD_QUERY_HEADS.get(q.device.type, True) and not (q.is_cuda and torch.is_grad_enabled())
 
 
 def attend(
@@ -224,7 +230,7 @@ def attend(
     if cache is None and not q.is_cuda and not unmasked and _split_pays(layout):
         return _split_attention(q, k, v, layout)
     groups = q.shape[1] // k.shape[1]
-    if past is not None and groups > 1 and FOLD_QUERY_HEADS.get(q.device.type, False):
+    if past is not None and groups > 1 and folds_query_heads(q):
         mask = None if unmasked else additive_mask(layout, cache, q.dtype, groups)
         return _grouped_query_attention(q, k_all, v_all, mask)
     mask = None if unmasked else additive_mask(layout, past, q.dtype)
@@ -282,6 +288,8 @@ SPLIT_MAX_DENSITY = 0.6  # visible fraction of the [N, N] area below which split
 
 
 def _split_pays(layout: AttentionLayout) -> bool:
+    if layout.extra is not None:  # annealing's random pairs: every chunk of queries sees nearly every key
+        return False
     if "split" not in layout._masks:
         n = layout.block.shape[1]
         layout._masks["split"] = n >= SPLIT_MIN_TOKENS and float(

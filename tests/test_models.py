@@ -605,6 +605,25 @@ def test_grouped_query_attention_equals_sdpa_with_gqa():
                                    atol=1e-6, rtol=1e-6)
 
 
+def test_query_heads_fold_where_measured(monkeypatch):
+    """``FOLD_QUERY_HEADS``: CPU folds with or without autograd; CUDA folds the sampler's no-grad forwards (what the
+    H100 measured) and keeps ``enable_gqa`` under autograd; a device set False never folds; others fold."""
+    from types import SimpleNamespace
+
+    from models import common
+
+    def queries(kind: str) -> SimpleNamespace:  # the two attributes the choice reads, without the device
+        return SimpleNamespace(device=SimpleNamespace(type=kind), is_cuda=kind == "cuda")
+
+    with torch.no_grad():
+        assert [common.folds_query_heads(queries(k)) for k in ("cpu", "cuda", "mps")] == [True, True, True]
+    with torch.enable_grad():
+        assert [common.folds_query_heads(queries(k)) for k in ("cpu", "cuda", "mps")] == [True, False, True]
+    monkeypatch.setitem(common.FOLD_QUERY_HEADS, "cuda", False)
+    with torch.no_grad():
+        assert not common.folds_query_heads(queries("cuda"))
+
+
 def test_grouped_query_attention_takes_an_output_that_is_not_a_view(monkeypatch):
     """CUDA's fused kernels return the folded output [B, Hkv, G*Q, D] with [B, G*Q, Hkv, D] strides, which cannot be
     viewed as [B, H, Q, D] (an H100 run failed six GPU tests on it); the unfolding copies where it must."""

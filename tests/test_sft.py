@@ -17,7 +17,7 @@ from jobs.sft import SFTJob, build_samples, read_rows, run_sft, turn_end_id
 from models.tiny import save_tiny_checkpoint
 from train.accelerator import build_accelerator
 from train.settings import OptimizerParams, RLTrainingConfig, SFTTrainingConfig
-from train.sft_trainer import SFTTrainer, sft_sample
+from train.sft_trainer import ANNEAL_SALT, SFTTrainer, sft_sample
 from train.views import ModelTraits, build_view
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -365,7 +365,7 @@ def test_attention_annealing_trains_causal_plus_a_growing_share_of_later_keys(ti
         if step >= 4:
             assert batch.layout.extra is None and not batch.layout.block.any()  # full attention
             continue
-        want = AttentionLayout.annealed(batch.layout.valid, step / 4, trainer._generator(7))
+        want = AttentionLayout.annealed(batch.layout.valid, step / 4, trainer._generator(ANNEAL_SALT))
         assert torch.equal(batch.layout.extra, want.extra)
         assert torch.equal(batch.layout.block, torch.arange(batch.input_ids.shape[1]).expand_as(batch.layout.block))
         n = batch.layout.extra.shape[0]
@@ -383,3 +383,30 @@ def test_attention_annealing_needs_full_attention_to_reach(tiny, model_base, met
     cfg = SFTTrainingConfig(method=method, attention_annealing_steps=10)
     with pytest.raises(Exception, match="attention_annealing_steps.*no full attention to reach"):
         SFTTrainer(tiny(model_base), cfg, OptimizerParams(), accelerator=build_accelerator())
+
+
+def test_annealed_steps_reach_the_forward_through_the_micro_batches(tiny, monkeypatch):
+    """One real SFT step with annealing (rows dealt one per micro-batch, each cut to its own width): every attention
+    call of the step sees the step's draw, cut to the micro-batch's width, and the step trains."""
+    from models import common
+
+    seen = []
+    real = common.additive_mask
+
+    def spy(layout, cache, dtype, groups=1):
+        seen.append((layout.extra, layout.block.shape[1]))
+        return real(layout, cache, dtype, groups)
+
+    monkeypatch.setattr(common, "additive_mask", spy)
+    dream = tiny("dream", seed=1)
+    samples = [sft_sample([5, 6, 7], [20, 21, 22, 23, 24, 25], "a"), sft_sample([8], [30, 31], "b")]
+    cfg = SFTTrainingConfig(method="random_masking", samples_per_step=None, batch_size_lm=1, shuffle=False,
+                            attention_annealing_steps=3, lower_p=1.0, upper_p=1.0)
+    trainer = SFTTrainer(dream, cfg, OptimizerParams(), accelerator=build_accelerator())
+    (metrics,) = trainer.train_samples(samples)
+    assert trainer.rl_step == 1 and metrics["tokens"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
+    widths = sorted({width for _, width in seen})
+    assert widths == [3, 9]  # the two rows, each cut to its own length
+    draws = {width: extra for extra, width in seen}
+    assert all(extra is not None and extra.shape == (width, width) for extra, width in seen)
+    torch.testing.assert_close(draws[3], draws[9][:3, :3])  # one draw for the step, cut per micro-batch

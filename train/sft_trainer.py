@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from models.registry import Adapter
 
 
+ANNEAL_SALT = 500_000  # the annealing draws' generator salt, apart from those of the micro-batch order (step + 1)
+
+
 def sft_sample(prompt_ids: list[int], response_ids: list[int], sample_id: str, step_map: list[int] | None = None,
                ends_turn: bool = True) -> Trajectory:
     """A training sample as a trajectory record (no log-probs: nothing sampled it); without a step map the response
@@ -74,7 +77,7 @@ class SFTTrainer(Trainer):
         for b in batches:  # what annealing replaces must be full attention, or structure would be lost
             if bool((b.layout.block != 0).any() or (b.layout.copy != 0).any()):
                 raise ValueError("attention annealing: the view's rows are not one full-attention block each")
-        return [replace(b, layout=AttentionLayout.annealed(b.layout.valid, ratio, self._generator(7 + i)))
+        return [replace(b, layout=AttentionLayout.annealed(b.layout.valid, ratio, self._generator(ANNEAL_SALT + i)))
                 for i, b in enumerate(batches)]
 
     def model_outputs(self, mb: TrainBatch) -> Tensor:
