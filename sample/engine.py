@@ -79,6 +79,7 @@ class Finished:
     tail_ids: list[int] = field(default_factory=list)
     tail_steps: list[int] = field(default_factory=list)
     rewrites: list[int] = field(default_factory=list)  # token editing: writes replaced per token ([] = none)
+    cached_logprobs: bool = False  # the log-probs came from a cache that approximates the context (Trajectory)
 
 
 class Sampler(Protocol):
@@ -190,4 +191,4 @@ def trajectory(done: Finished, tokenizer: Any = None) -> Trajectory:
     return Trajectory(prompt_ids=done.seq.prompt, response_ids=done.response, step_map=done.steps,
                       logprobs=done.logprobs, finish_reason=done.reason, text=text, confidences=done.confidences,
                       tail_ids=list(done.tail_ids), tail_steps=list(done.tail_steps), block_size=done.block_size,
-                      rewrites=list(done.rewrites))
+                      rewrites=list(done.rewrites), cached_logprobs=done.cached_logprobs)

@@ -290,10 +290,12 @@ class FullSampler:
             toks, stps, logps, confs = (h[j] for h in host)
             reason = ("eos" if stop_tok in self.eos_ids else "stop") if stopped else "length"
             out.append(Finished(self.running[i].seq, toks[:cut], stps[:cut], logps[:cut], confs[:cut], reason,
-                                self.bl, toks[cut:], stps[cut:]))
+                                self.bl, toks[cut:], stps[cut:], cached_logprobs=self.approximate_logprobs))
         return out
 
     # ------------------------------------------------------------ cache hooks (cache="none": none)
+
+    approximate_logprobs = False  # the recorded log-probs are a plain forward's of each state
 
     def _reset_cache(self) -> None:
         pass
@@ -314,6 +316,9 @@ class WindowCachedFullSampler(FullSampler):
     steps run only the window against it (see the module docstring)."""
 
     cache: BatchKVCache | None = None
+    # a window step reads K/V refreshed before the block's earlier steps decoded their tokens (and, with the prefix
+    # cache, sees no column past the window): not a plain forward's log-probs, so the trainer recomputes them
+    approximate_logprobs = True
 
     def _reset_cache(self) -> None:
         self.cache = None

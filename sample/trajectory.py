@@ -31,6 +31,10 @@ class Trajectory:
     (empty list: nothing was rewritten). Training views treat a rewritten token as masked until its last write, so
     the states they rebuild are not exactly the sampler's (which held the earlier token there): such a view is
     inexact and its old log-probs are recomputed.
+
+    ``cached_logprobs``: the log-probs were computed against a cache that approximates the context (a full-attention
+    model sampled with cache="prefix" / "dual", Fast-dLLM's), not in the exact context: a view of such a sample is
+    inexact too, and its old log-probs are recomputed.
     """
 
     prompt_ids: list[int]
@@ -49,6 +53,7 @@ class Trajectory:
     score: float | None = None  # set once by the reward: answer correctness or test pass fraction, in [0, 1]
     meta: dict = field(default_factory=dict)
     rewrites: list[int] = field(default_factory=list)  # token editing: earlier writes replaced, per token
+    cached_logprobs: bool = False  # log-probs from an approximating cache (full attention, cache prefix / dual)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

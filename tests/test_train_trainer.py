@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,6 +100,24 @@ def test_trainer_logprobs_equal_sampler_logprobs_full_attention(tiny, demo_token
     batch = build_view(trajs, {t.sample_id: 1.0 for t in trajs}, trainer.cfg, trainer.traits)
     assert batch.exact and batch.num_tokens == sum(len(t.response_ids) for t in trajs)
     torch.testing.assert_close(trainer.logprobs(batch), batch.old_logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_full_attention_cache_logprobs_are_recomputed_before_the_update(tiny, demo_tokenizer, cache):
+    adapter = tiny("dream", seed=1)
+    prompts = [demo_tokenizer.encode(p) for p in PROMPTS]
+    trajs = sampled(adapter, prompts, max_tokens=12, block_size=4, steps=8, cache=cache, further_horizon=4)
+    assert all(t.cached_logprobs for t in trajs)
+    assert not any(t.cached_logprobs for t in sampled(adapter, prompts[:1], max_tokens=4, block_size=4, cache="none"))
+    advantages = {t.sample_id: 1.0 for t in trajs}
+    trainer = make_trainer(adapter)
+    # taken as exact, the cached log-probs would be the old ones: they are not a plain forward's
+    as_if_exact = build_view([replace(t, cached_logprobs=False) for t in trajs], advantages, trainer.cfg,
+                             trainer.traits)
+    assert (trainer.logprobs(as_if_exact) - as_if_exact.old_logprobs).abs().max() > 1e-3
+    assert not build_view(trajs, advantages, trainer.cfg, trainer.traits).exact
+    metrics = trainer.train_step(trajs, advantages)  # recomputed: the first update's ratio is 1
+    assert metrics[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics[0]["clip_frac"] == 0.0
 
 
 def test_train_step_logs_sampler_difference(tiny, demo_tokenizer):

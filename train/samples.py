@@ -45,6 +45,7 @@ class Sample:
     block: int | None = None  # block size the sample was decoded with (block models)
     group_id: str = ""  # its prompt's group (responses to one task share it)
     rewritten: bool = False  # token editing rewrote some token: the sampler's states are not rebuilt exactly
+    cached_logp: bool = False  # its log-probs came from an approximating cache (Trajectory.cached_logprobs)
 
 
 def prepare_samples(trajectories: Sequence[Trajectory], advantages: Mapping[str, float | Sequence[float]],
@@ -104,7 +105,7 @@ def _prepare_one(traj: Trajectory, adv: float | Sequence[float], cfg: ViewConfig
     stop = traj.finish_reason in ("eos", "stop") and not truncated  # the sampler cut right after the stop token
     trainable = _trainable(resp, traits.pad_id, cfg.post_num, stop)
     return Sample(traj.sample_id, prompt, resp, steps, tail, tail_steps, logp, adv_vector, trainable, truncated,
-                  block, traj.group_id or traj.sample_id, any(traj.rewrites))
+                  block, traj.group_id or traj.sample_id, any(traj.rewrites), traj.cached_logprobs)
 
 
 def _advantage_vector(traj: Trajectory, adv: float | Sequence[float]) -> Tensor:

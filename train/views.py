@@ -188,7 +188,8 @@ def build_view(trajectories: Sequence[Trajectory], advantages: Mapping[str, floa
 
 def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str]], cfg: ViewConfig,
             traits: ModelTraits, algorithm: Algorithm) -> TrainBatch:
-    exact = algorithm.exact(cfg, traits, samples) and not prompt_mask_p(cfg, algorithm)
+    exact = (algorithm.exact(cfg, traits, samples) and not prompt_mask_p(cfg, algorithm)
+             and not any(sample.cached_logp for sample in samples))
     tensors = collate_rows([row.segments for row in rows], traits.pad_id)
     n_tok = [len(row.cols) for row in rows]
     sample_index = (torch.cat([torch.full((count,), row.sample) for row, count in zip(rows, n_tok)]) if rows
