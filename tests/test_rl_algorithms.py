@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +42,8 @@ def entries(logp, **fields):
     extra = {"level": torch.ones(n), "resp_len": torch.full((n,), float(n)), "batch_resp_len": torch.full((n,), 4.0)}
     extra.update(fields.pop("extra", {}))
     base.update(fields)
+    extra.setdefault("batch_samples", torch.full((n,), float(len(base["sample_ids"]))))  # as a view of one process
+    extra.setdefault("batch_units", torch.full((n,), float(base["num_units"])))
     return SimpleNamespace(extra=extra, **base)
 
 
@@ -141,6 +144,30 @@ def test_espo_sequence_elbo_ratio_by_hand():
     # d loss / d l_k = -rho A (1/L) / (t_k n_units)
     assert logp.grad.tolist() == pytest.approx([-rho / 2 / 0.5 / 2, -rho / 2 / 0.5 / 2, -rho / 2 / 0.25 / 2],
                                                abs=1e-6)
+
+
+@pytest.mark.parametrize("method", ["espo", "bgpo"])
+def test_sequence_losses_weigh_samples_alike_on_every_process(method):
+    """Two processes, shards [s0, s1] and [s2]: rescaled by the step's counts, the mean of their losses (data
+    parallelism averages the gradients) is one process's loss on the whole batch; by their own counts the lone
+    sample would weigh double (-1/3 became 0)."""
+    from train.views import NORM_COUNTS, normalised_over_processes
+
+    trajs = [traj([5, 6], [10, 11, 1], [1, 2, 2], sid=f"s{i}", finish="eos") for i in range(3)]
+    adv = {"s0": 1.0, "s1": 1.0, "s2": -1.0}
+    cfg, rl = ViewConfig(method=method, mask_times_per_sample=2), RLTrainingConfig(method=method)
+
+    def loss(view):  # every ratio 1: the loss is minus the mean advantage over samples (ESPO) or draws (BGPO)
+        zeros = torch.zeros(view.num_tokens)
+        return float(algorithm(method).loss(zeros, replace(view, old_logprobs=zeros), rl).loss)
+
+    views = [build_view(shard, adv, cfg, FULL) for shard in (trajs[:2], trajs[2:])]
+    totals = {k: sum(v.counts[k] for v in views) for k in NORM_COUNTS}
+    totals["longest"] = max(v.counts["longest"] for v in views)
+    shards = [loss(normalised_over_processes(v, totals, 2)) for v in views]
+    assert loss(build_view(trajs, adv, cfg, FULL)) == pytest.approx(-1 / 3, abs=1e-6)
+    assert sum(shards) / 2 == pytest.approx(-1 / 3, abs=1e-6)
+    assert sum(loss(v) for v in views) / 2 == pytest.approx(0.0, abs=1e-6)  # each shard by its own counts
 
 
 def test_ebpo_composite_ratio_and_reference_kl():

@@ -343,7 +343,7 @@ def test_shards_normalised_over_processes_weigh_tokens_as_the_whole_batch(norm):
         rescaled = normalised_over_processes(view, totals, world)
         got.update(weights(rescaled, 1 / world))
         before.update(weights(view, 1 / world))
-        for key in ("batch_resp_len", "batch_groups"):
+        for key in ("batch_resp_len", "batch_groups", "batch_samples", "batch_units"):
             assert float(rescaled.extra[key][0]) == pytest.approx(float(whole.extra[key][0]) / world)
     expected = weights(whole)
     assert got.keys() == expected.keys()

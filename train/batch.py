@@ -41,7 +41,7 @@ class TrainBatch:
     extra: dict[str, Tensor] = field(default_factory=dict)  # more [T] vectors (e.g. old values), kept by select_rows
     filler: bool = False  # a zero-weight copy that only keeps collective ops in step across processes
     # what the loss weights were normalised by (train/views.py, NORM_COUNTS): units, tokens, longest response,
-    # summed response length, prompt groups; and the loss_norm that used them
+    # summed response length, prompt groups, samples; and the loss_norm that used them
     counts: dict[str, float] = field(default_factory=dict)
     loss_norm: str = "token_mean"
     # [R] each row's leading columns that rows of the same prompt may compute once (its complete clean prompt blocks;

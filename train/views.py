@@ -205,6 +205,7 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
     sample_group = torch.tensor([group_of.setdefault(s.group_id, len(group_of)) for s in samples], dtype=torch.long)
     loss_norm = cfg.loss_norm or algorithm.loss_norm
     weights = _weights(unit, samples, loss_norm)
+    num_units = int(unit.max()) + 1 if len(unit) else 0
     return TrainBatch(
         input_ids=tensors.input_ids, position_ids=tensors.position_ids, layout=tensors.layout,
         row_sample=torch.tensor([row.sample for row in rows], dtype=torch.long),
@@ -214,12 +215,14 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
         torch.full((len(token_cols),), math.nan), weights=weights / level if cfg.elbo_weight else weights,
         sample_index=sample_index, token_index=resp_index,
         steps=torch.cat([row.steps for row in rows]) if rows else _empty(), unit=unit,
-        sample_ids=[sample.sample_id for sample in samples], num_units=int(unit.max()) + 1 if len(unit) else 0,
+        sample_ids=[sample.sample_id for sample in samples], num_units=num_units,
         exact=exact, dropped=dropped, extra={"level": level, "resp_len": resp_len[sample_index],
                                              "batch_resp_len": resp_len.sum().expand(len(token_cols)).clone(),
                                              "group": sample_group[sample_index] if rows else _empty(),
-                                             "batch_groups": torch.full((len(token_cols),), float(len(group_of)))},
-        counts={"units": float(int(unit.max()) + 1 if len(unit) else 0), "tokens": float(len(token_cols)),
+                                             "batch_groups": torch.full((len(token_cols),), float(len(group_of))),
+                                             "batch_samples": torch.full((len(token_cols),), float(len(samples))),
+                                             "batch_units": torch.full((len(token_cols),), float(num_units))},
+        counts={"units": float(num_units), "tokens": float(len(token_cols)), "samples": float(len(samples)),
                 "longest": float(max((len(sample.resp) for sample in samples), default=0)),
                 "resp_len": float(resp_len.sum()), "groups": float(len(group_of))},
         loss_norm=loss_norm, shared_cols=_shared_cols(rows))
@@ -260,7 +263,7 @@ def _per_sample_gather(samples: list[Sample], sample_index: Tensor, resp_index: 
     return gather
 
 
-NORM_COUNTS = ("units", "tokens", "longest", "resp_len", "groups")  # TrainBatch.counts, in a fixed order
+NORM_COUNTS = ("units", "tokens", "longest", "resp_len", "groups", "samples")  # TrainBatch.counts, in a fixed order
 
 
 def normalised_over_processes(batch: TrainBatch, totals: Mapping[str, float], world: int) -> TrainBatch:
@@ -279,7 +282,8 @@ def normalised_over_processes(batch: TrainBatch, totals: Mapping[str, float], wo
     else:  # row_mean, unit_sum: per-unit means or sums, averaged over units
         local, whole = mine["units"], totals["units"]
     scale = world * local / whole if whole else 0.0
-    whole_batch = {"batch_resp_len": totals["resp_len"] / world, "batch_groups": totals["groups"] / world}
+    whole_batch = {"batch_resp_len": totals["resp_len"] / world, "batch_groups": totals["groups"] / world,
+                   "batch_samples": totals["samples"] / world, "batch_units": totals["units"] / world}
     extra = {k: torch.full_like(v, whole_batch[k]) if k in whole_batch else v for k, v in batch.extra.items()}
     return replace(batch.with_weights(batch.weights * scale), extra=extra)
 

@@ -57,7 +57,9 @@ class BGPO(ResponseMasking):
         old = per_unit_mean(mb.old_logprobs.to(device, dtype), unit)
         advantages = first_per_sample(mb.advantages.to(device, dtype), unit)
         surrogate, ratio = bgpo_surrogate(new - old, advantages, cfg.eps, cfg.eps_high, cfg.dual_clip)
-        loss = -(surrogate / max(mb.num_units, 1)).sum()
+        # the step's units (over every process, / world: data parallelism averages the processes' gradients)
+        units = float(mb.extra["batch_units"][0]) if mb.num_tokens else 1.0
+        loss = -(surrogate / units).sum()
         return LossOutput(loss, sequence_metrics(loss, loss, ratio, cfg))
 
 

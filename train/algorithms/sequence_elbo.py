@@ -68,7 +68,8 @@ def elbo_ratio_loss(logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref:
     advantages = first_per_sample(mb.advantages.to(device, dtype), index)
     log_ratio = (elbo - elbo_old) / length if per_token else elbo - elbo_old
     surrogate, ratio = clipped_surrogate(log_ratio, advantages, cfg.eps, cfg.eps_high)
-    per_sample = 1.0 / len(mb.sample_ids)
+    # the step's samples (over every process, / world: data parallelism averages the processes' gradients)
+    per_sample = 1.0 / float(mb.extra["batch_samples"][0]) if mb.num_tokens else 1.0
     pg = -(surrogate * per_sample).sum()
     loss = pg
     if cfg.ref_beta and logp_ref is not None:
