@@ -247,7 +247,7 @@ class EvaluationConfig(EvalRollout):
 class RewardConfig(Settings):
     """Reward shaping and group filtering of RL jobs."""
 
-    truncation_margin: int = bounded(5, 0)  # response length >= max_tokens - margin counts as wrong
+    truncation_margin: int = bounded(5, 0)  # length >= max_tokens - margin scores 0 (code too; the reference: math)
     acc_low: float = bounded(0.2, 0.0, 1.0)  # math groups with accuracy outside [acc_low, acc_high] are dropped
     acc_high: float = bounded(0.8, 0.0, 1.0)
     filter_all_equal: bool = True  # drop groups whose rewards are all equal (zero advantage)

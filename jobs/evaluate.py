@@ -15,7 +15,15 @@ from core.loader import ConfigError
 from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main, rank_world
-from jobs.rollout import check_for_model, load_tasks, rollout_tasks, score_rollout, seeded
+from jobs.rollout import (
+    check_for_model,
+    check_sandbox_failures,
+    load_tasks,
+    rollout_tasks,
+    score_rollout,
+    seeded,
+    unscored_count,
+)
 from models.registry import ModelLoadError, load_model
 from sample.trace_viewer import build_trace_html
 from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
@@ -46,6 +54,7 @@ def sample_scored(adapter: Adapter, tasks: list[dict], data_type: str, params: A
     score_rollout(rollout, tasks, data_type, execute=execute, progress=progress, **score_kw)
     trajs = gather_objects(accelerator, list(rollout))
     trajs.sort(key=lambda t: (t.task_index, int(t.sample_id.rpartition("-")[2])))
+    check_sandbox_failures(trajs)  # on the gathered whole, so that every process decides alike
     stats = gather_objects(accelerator, [rollout.stats.as_dict()])
     total = {k: sum(s[k] for s in stats) for k in ("forwards", "denoise_forwards", "generated_tokens")}
     total["wall_time"] = max(s["wall_time"] for s in stats)
@@ -77,6 +86,7 @@ def evaluate(adapter: Adapter, tasks: list[dict], data_type: str, rollout_cfg: A
                    "avg_length": sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1),
                    "tokens_per_step": tokens_per_step(t.step_map for t in trajs),
                    "finish_reasons": _count(t.finish_reason for t in trajs),
+                   "sandbox_errors": unscored_count(trajs),  # scored 0 above: the sandbox failed, not the program
                    "sampling": stats, "wall_s": time.perf_counter() - start}
         for kk in rollout_cfg.pass_k:
             correct = [sum(t.correct for t in trajs[j * k:(j + 1) * k]) for j in range(len(tasks))]

@@ -58,7 +58,7 @@ from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, end_processes, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
-from jobs.rollout import check_for_model, load_tasks
+from jobs.rollout import check_for_model, load_tasks, unscored_count
 from jobs.trackers import start_trackers
 from models.lora import wrapped_model
 from models.registry import family_spec, load_model, load_policy
@@ -529,11 +529,13 @@ class RLJob:
         band = (r.acc_low, r.acc_high) if self.cfg.dataset.data_type != "code" else None
         shaping = [overlong_penalty(len(t.response_ids), self.cfg.rollout.max_tokens, r.overlong_buffer,
                                     r.overlong_penalty) for t in trajs]
-        result = group_advantages([ScoredSample(t.sample_id, t.group_id, t.score + p, t.correct)
-                                   for t, p in zip(trajs, shaping, strict=True)],
+        # a program the sandbox failed to run has no verdict: it leaves its group before the baseline is taken
+        scored = [(t, p) for t, p in zip(trajs, shaping, strict=True) if "sandbox_error" not in t.meta]
+        result = group_advantages([ScoredSample(t.sample_id, t.group_id, t.score + p, t.correct) for t, p in scored],
                                   acc_band=band, drop_all_equal=r.filter_all_equal, estimator=r.advantage)
-        s = result.summary
-        out = {"kept": s["kept"], "dropped": s["dropped"], "dropped_by": s["dropped_by_reason"]}
+        s, unscored = result.summary, unscored_count(trajs)
+        out = {"kept": s["kept"], "dropped": s["dropped"] + unscored,
+               "dropped_by": {**s["dropped_by_reason"], **({"sandbox_error": unscored} if unscored else {})}}
         if r.overlong_buffer:
             out["overlong_penalty_mean"] = sum(shaping) / max(len(shaping), 1)
         return result.advantages, out
@@ -708,6 +710,8 @@ def format_line(m: dict, total: int) -> str:
                   f"tok/step {m['tokens_per_step']:.2f}", f"kept {m['kept']}/{m['samples']}"]
         if m.get("optimizer_steps") == 0:
             parts.append("NO UPDATE")
+        if m.get("dropped_by", {}).get("sandbox_error"):  # not a verdict on the programs: worth seeing every step
+            parts.append(f"SANDBOX FAILED {m['dropped_by']['sandbox_error']}")
         if "approx_kl" in m:
             parts += [f"kl {m['approx_kl']:.4f}", f"clip {m['clip_frac']:.3f}"]
         if "ref_kl" in m:  # training.ref_beta: how far the policy has moved from the frozen reference

@@ -15,8 +15,9 @@ from core.schema import SettingError, replace
 from data.builtin import BUILTIN, builtin_kind, builtin_tasks
 from data.formats import load_dataset_file
 from data.prompts import prompt_ids
-from reward.math import score_math_batch
-from reward.sandbox import CodeJob, SandboxConfig, code_from_response, run_many
+from reward.math import is_truncated, score_math_batch
+from reward.puzzles import score_puzzle
+from reward.sandbox import CodeJob, SandboxConfig, SandboxFailure, code_from_response, run_many
 from sample.generate import Rollout, generate
 from sample.params import SamplingParams
 
@@ -80,33 +81,67 @@ def rollout_tasks(adapter: Adapter, tasks: list[dict], data_type: str, params: A
 def score_rollout(rollout: list, tasks: list[dict], data_type: str, max_tokens: int | None = None,
                   truncation_margin: int | None = None, execute: SandboxConfig | None = None,
                   progress: bool = True) -> list[float]:
-    """Set and return every sample's score in [0, 1]: answer correctness (math/option) or the pass fraction of its
-    tests (code), against ``tasks[traj.task_index]``.
+    """Set and return every sample's score in [0, 1]: answer correctness (math/option; a row with a ``verifier``,
+    i.e. a built-in puzzle, accepts any right answer) or the pass fraction of its tests (code), against
+    ``tasks[traj.task_index]``.
 
-    ``truncation_margin`` (RL only) marks responses within the margin of ``max_tokens`` as wrong.
+    ``truncation_margin`` (RL only) scores responses within the margin of ``max_tokens`` 0, whatever the data type
+    (a truncated program is not run). A program the sandbox itself failed to run scores 0 and is marked
+    ``meta["sandbox_error"]``: not a verdict on the program (``unscored_count`` counts them).
     """
     rows = [tasks[t.task_index] for t in rollout]
-    if data_type == "math" and rows and all("verifier" in r for r in rows):  # built-in puzzles: any right answer
-        from reward.math import is_truncated
-        from reward.puzzles import score_puzzle
-
-        limit = max_tokens if truncation_margin is not None else None
-        scores = [0.0 if is_truncated(len(t.response_ids), limit, truncation_margin or 0) else score_puzzle(t.text, r)
-                  for t, r in zip(rollout, rows, strict=True)]
-    elif data_type in ("math", "option"):
-        lengths = [len(t.response_ids) for t in rollout]
-        scores = score_math_batch([t.text for t in rollout], [r["ground_truth_answer"] for r in rows],
-                                  data_type=data_type, response_lengths=lengths,
-                                  max_tokens=max_tokens if truncation_margin is not None else None,
-                                  truncation_margin=truncation_margin or 0)
+    limit = max_tokens if truncation_margin is not None else None
+    scores = [0.0] * len(rollout)
+    live = [i for i, t in enumerate(rollout) if not is_truncated(len(t.response_ids), limit, truncation_margin or 0)]
+    if data_type == "code":
+        _score_programs(rollout, rows, live, scores, execute or SandboxConfig(), progress)
     else:
-        cfg = execute or SandboxConfig()
-        jobs = [CodeJob.from_task(row, code_from_response(t.text, row.get("prefix", "")) or "", cfg.time_limit)
-                for t, row in zip(rollout, rows, strict=True)]
-        scores = [r.pass_fraction for r in run_many(jobs, config=cfg, progress=progress)] if jobs else []
+        _score_answers(rollout, rows, live, scores, data_type)
     for traj, score in zip(rollout, scores, strict=True):
         traj.score = float(score)
     return scores
+
+
+def _score_answers(rollout: list, rows: list[dict], live: list[int], scores: list[float], data_type: str) -> None:
+    """Fill ``scores[i]``, i in ``live``: puzzles by their verifier, the rest by the math/option checker."""
+    puzzles = [i for i in live if data_type == "math" and "verifier" in rows[i]]
+    for i in puzzles:
+        scores[i] = score_puzzle(rollout[i].text, rows[i])
+    plain = [i for i in live if data_type != "math" or "verifier" not in rows[i]]
+    if plain:
+        checked = score_math_batch([rollout[i].text for i in plain], [rows[i]["ground_truth_answer"] for i in plain],
+                                   data_type=data_type, truncation_margin=None)
+        for i, score in zip(plain, checked, strict=True):
+            scores[i] = score
+
+
+def _score_programs(rollout: list, rows: list[dict], live: list[int], scores: list[float], cfg: SandboxConfig,
+                    progress: bool) -> None:
+    """Fill ``scores[i]``, i in ``live``, with the pass fraction of each program's tests in the sandbox."""
+    jobs = [CodeJob.from_task(rows[i], code_from_response(rollout[i].text, rows[i].get("prefix", "")) or "",
+                              cfg.time_limit) for i in live]
+    results = run_many(jobs, config=cfg, progress=progress) if jobs else []
+    for i, result in zip(live, results, strict=True):
+        broken = [t.detail for t in result.tests if t.reason == "sandbox_error"]
+        if broken:
+            rollout[i].meta["sandbox_error"] = broken[0] or "sandbox_error"
+        scores[i] = result.pass_fraction
+
+
+def unscored_count(trajs: list) -> int:
+    """Samples whose score is no verdict: the sandbox failed to run their program."""
+    return sum("sandbox_error" in t.meta for t in trajs)
+
+
+def check_sandbox_failures(trajs: list) -> None:
+    """Raise ``SandboxFailure`` when the sandbox failed on more than half of the programs: a broken sandbox must
+    stop the job, never become rewards of 0 that a policy learns from. A few failures (e.g. the host briefly out of
+    processes) leave their samples marked, for the caller to drop or count."""
+    bad = [t for t in trajs if "sandbox_error" in t.meta]
+    if bad and 2 * len(bad) > len(trajs):
+        detail = bad[0].meta["sandbox_error"].strip().splitlines() or ["no detail"]
+        raise SandboxFailure(f"the code sandbox failed to run {len(bad)} of {len(trajs)} programs (first: "
+                             f"{detail[-1][:200]}); check execute.isolation and the host's process limits")
 
 
 def seeded(params: Any, seed: int | None) -> Any:

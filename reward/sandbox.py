@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from core.errors import UserError
 from core.schema import Settings, bounded
 from reward.verdicts import Check, judge, plan_tests
 
@@ -58,6 +59,7 @@ __all__ = [
     "run_program",
     "run_many",
     "sandbox_capabilities",
+    "SandboxFailure",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,10 @@ def code_from_response(response: str, prefix: str = "") -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- records
+class SandboxFailure(UserError):
+    """The sandbox itself failed on most programs (cannot start, no supervisor): no verdict to score by."""
+
+
 @dataclass(frozen=True)
 class SandboxConfig(Settings):
     """Resource limits and isolation choices shared by all jobs of a run (the ``execute`` section of configs)."""

@@ -68,3 +68,49 @@ def test_code_scores_are_pass_fractions_per_sample():
     texts = [good, f"{fence}python\nimport sys\nsys.exit(0)\n{fence}"]
     scores = score_rollout(_rollout(texts), tasks, "code")
     assert scores == [1.0, 0.0]
+
+
+def test_puzzle_rows_keep_their_verifier_beside_plain_math_rows():
+    # a hand-mixed file: a countdown row answered by another right equation, and a plain arithmetic row
+    from data.puzzles import countdown_task
+
+    puzzle, plain = countdown_task(1, seed=0)[0], arithmetic_task(1, seed=3)[0]
+    assert puzzle["ground_truth_answer"] == "1 * 20 + 4"
+    # "20 + 4" equals the target but leaves out the 1: a string or math check would accept it, the verifier does not
+    texts = ["\\boxed{20 + 4 * 1}", "\\boxed{20 + 4}", f"\\boxed{{{plain['ground_truth_answer']}}}", "\\boxed{0}"]
+    assert score_rollout(_rollout(texts), [puzzle, plain], "math") == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_code_responses_within_the_truncation_margin_score_zero_and_are_not_run(monkeypatch):
+    import jobs.rollout
+
+    tasks = [t for t in code_task(6, seed=0) if t["test_method"] == "function"][:1]
+    good = f"{'`' * 3}python\n{tasks[0]['solution']}\n{'`' * 3}"
+    rollout = _rollout([good, good])
+    rollout[1].response_ids = [5] * 96  # 96 >= 100 - 5: cut off by the length limit, however good its code
+    ran = []
+    real = jobs.rollout.run_many
+    monkeypatch.setattr(jobs.rollout, "run_many", lambda jobs, **kw: ran.append(len(jobs)) or real(jobs, **kw))
+    assert score_rollout(rollout, tasks, "code", max_tokens=100, truncation_margin=5) == [1.0, 0.0]
+    assert ran == [1]
+    assert score_rollout(_rollout([good, good]), tasks, "code") == [1.0, 1.0]  # eval: no margin
+
+
+def test_a_broken_sandbox_marks_its_samples_and_stops_the_job_past_half(monkeypatch):
+    from jobs.rollout import check_sandbox_failures, unscored_count
+    from reward import sandbox
+
+    tasks = [t for t in code_task(6, seed=0) if t["test_method"] == "function"][:1]
+    good = f"{'`' * 3}python\n{tasks[0]['solution']}\n{'`' * 3}"
+    original = sandbox._spec  # the supervisor cannot read its spec: a setup failure, not the program's
+    monkeypatch.setattr(sandbox, "_spec", lambda *args: {**original(*args), "time_limit": "not-a-number"})
+    broken = _rollout([good, good])
+    assert score_rollout(broken, tasks, "code") == [0.0, 0.0]
+    assert unscored_count(broken) == 2 and all(t.meta["sandbox_error"] for t in broken)
+    monkeypatch.setattr(sandbox, "_spec", original)
+    fine = _rollout([good, good, good])
+    assert score_rollout(fine, tasks * 2, "code") == [1.0, 1.0, 1.0] and unscored_count(fine) == 0
+    check_sandbox_failures([*fine, broken[0]])  # one of four: its sample is left to the caller
+    with pytest.raises(sandbox.SandboxFailure, match=r"failed to run 2 of 3 programs") as err:
+        check_sandbox_failures([*broken, fine[0]])
+    assert "\n" not in str(err.value)

@@ -254,3 +254,40 @@ def test_a_value_model_run_resumes_exactly_and_saves_each_optimizer_once(tmp_pat
     for part in ("policy", "value/policy"):
         a, b = (load_file(str(d / "run" / "step_3" / "ckpt" / part / "model.safetensors")) for d in (whole, out))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+def test_samples_the_sandbox_failed_on_leave_their_group_and_a_broken_sandbox_stops_the_run(tmp_path, ckpts,
+                                                                                         monkeypatch, capsys):
+    import jobs.evaluate
+    from jobs.rl import run_rl
+    from reward.sandbox import SandboxFailure
+    from tests import rl_harness
+
+    def score_with_failures(rollout, tasks, data_type, **kw):  # the parity reward; the sandbox fails on some samples
+        scores = rl_harness.parity_score(rollout, tasks, data_type)
+        for t in rollout:
+            if t.sample_id.endswith(tuple(failing)):
+                t.score, t.meta["sandbox_error"] = 0.0, "fork: Resource temporarily unavailable"
+        return scores
+
+    monkeypatch.setattr(jobs.evaluate, "score_rollout", score_with_failures)
+    failing = ["-0"]  # one sample of each group of 4
+    history = run_rl(load_config(demo_args(tmp_path, ckpts["sdar"], **{
+        "experiment.total_step": 1, "reward.filter_all_equal": "false"}), "rl"), progress=False)
+    rollouts = [json.loads(x) for x in (tmp_path / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
+    assert history[-1]["dropped_by"]["sandbox_error"] == 3 and history[-1]["kept"] == 9
+    assert "kept 9/12" in (out := capsys.readouterr().out) and "SANDBOX FAILED 3" in out  # on the step line
+    for r in rollouts:
+        if r["sample_id"].endswith("-0"):
+            assert r["meta"]["advantage"] is None and r["meta"]["sandbox_error"]
+    for gid in {r["group_id"] for r in rollouts}:  # z-scores over the group's three scored samples
+        rest = [r for r in rollouts if r["group_id"] == gid and not r["sample_id"].endswith("-0")]
+        scores = [float(sum(r["response_ids"]) % 2) for r in rest]
+        mean = sum(scores) / 3
+        std = (sum((s - mean) ** 2 for s in scores) / 3) ** 0.5
+        for r, s in zip(rest, scores, strict=True):
+            assert r["meta"]["advantage"] == pytest.approx((s - mean) / std if std > 1e-8 else 0.0)
+    failing[:] = ["-0", "-1", "-2"]  # three of four: the sandbox is broken, not the programs
+    with pytest.raises(SandboxFailure, match="failed to run 9 of 12 programs"):
+        run_rl(load_config(demo_args(tmp_path / "again", ckpts["sdar"], **{"experiment.total_step": 1}), "rl"),
+               progress=False)
