@@ -124,6 +124,8 @@ class Stages:
     """The run's stages, writing under ``out``: the converted model, each job's run directory (``out/runs``) and
     each stage's log (``out/logs``)."""
 
+    launch = staticmethod(subprocess.call)  # how a stage's command runs: a fresh interpreter per stage
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.out = args, Path(args.out).resolve()
         self.runs = self.out / "runs"
@@ -142,7 +144,7 @@ class Stages:
         log.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with open(log, "w") as f:
-            rc = subprocess.call([sys.executable, *argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+            rc = self.launch([sys.executable, *argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
         if rc:
             tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
             raise UserError(f"stage {stage} failed (exit {rc}): {tail[0] if tail else ''} (log: {log})")

@@ -111,6 +111,10 @@ def summary_table(results: list[dict]) -> str:
         lines.append(f"{s['remasking_strategy']:<24}{s['top_k']:>6}{str(s['block_size'] or '-'):>6}{r['acc']:>8.3f}"
                      + "".join(f"{r[k]:>9.3f}" for k in pass_keys)
                      + f"{r['avg_length']:>8.1f}{r['tokens_per_step']:>9.2f}{samp['tokens_per_second']:>9.1f}")
+    unscored = sum(r.get("sandbox_errors", 0) for r in results)
+    if unscored:
+        lines.append(f"note: the sandbox failed to run {unscored} of {sum(r['responses'] for r in results)} programs; "
+                     "they count as wrong above (sandbox_error in their trajectories)")
     return "\n".join(lines)
 
 

@@ -31,8 +31,14 @@ def test_a_missing_wheel_is_one_line(monkeypatch):
         smollm2_folder()
 
 
-def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, demo_tokenizer, capsys):
+def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, demo_tokenizer, capsys, monkeypatch):
+    from bench.real import Stages
+    from tests import warm
     from tests.test_a2d import _ar_checkpoint
+
+    # each stage in a process forked from a warm interpreter (no 10 s of imports each); the rerun of one stage
+    # below goes through a fresh interpreter, as a user's run does
+    monkeypatch.setattr(Stages, "launch", staticmethod(warm.call))
 
     # 256 positions: a Countdown prompt is ~150 of the demo tokenizer's tokens in the chat template
     source = _ar_checkpoint(tmp_path / "ar", "llama", demo_tokenizer, positions=256)
@@ -58,7 +64,9 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
     assert format_table(report) in printed and "(iv) after RL" in printed
     assert main(["--report", "--out", str(out)]) == 0  # re-read without running anything
     assert format_table(report) in capsys.readouterr().out
+    monkeypatch.undo()
     assert main(["--source", str(source), "--out", str(out), "--held-out", "3", "--stages", "rl_eval"]) == 0
+    monkeypatch.setattr(Stages, "launch", staticmethod(warm.call))
     again = json.loads((out / "report.json").read_text())["stages"]
     assert "acc_t1" not in again["rl_eval"]  # temperature 1 only with --t1
     assert again["rl_eval"]["tasks"] == 3 and {k: again[k] for k in stages if k != "rl_eval"} == {

@@ -114,3 +114,13 @@ def test_a_broken_sandbox_marks_its_samples_and_stops_the_job_past_half(monkeypa
     with pytest.raises(sandbox.SandboxFailure, match=r"failed to run 2 of 3 programs") as err:
         check_sandbox_failures([*broken, fine[0]])
     assert "\n" not in str(err.value)
+
+
+def test_the_summary_table_says_how_many_programs_the_sandbox_failed_to_run():
+    from jobs.evaluate import summary_table
+
+    result = {"setting": {"remasking_strategy": "low_confidence_static", "top_k": 0, "block_size": 4}, "acc": 0.25,
+              "avg_length": 9.0, "tokens_per_step": 1.5, "sampling": {"tokens_per_second": 10.0}, "responses": 8}
+    assert "note" not in summary_table([{**result, "sandbox_errors": 0}])
+    lines = summary_table([{**result, "sandbox_errors": 3}]).splitlines()
+    assert len(lines) == 3 and "0.250" in lines[1] and "failed to run 3 of 8 programs" in lines[2]

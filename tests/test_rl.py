@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from jobs.config import load_config
 from models.tiny import save_tiny_checkpoint
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "rl_harness.py"
@@ -79,8 +80,7 @@ def _harness(args: list[str], kill: str | None = None) -> subprocess.CompletedPr
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if kill:
         env["RL_HARNESS_KILL"] = kill
-    return subprocess.run([sys.executable, str(HARNESS), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return warm.run([str(HARNESS), *args], cwd=ROOT, env=env, timeout=600)  # a process forked from a warm one
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import pytest
 
 from models.tiny import save_tiny_checkpoint
 from models.tokenizers import build_demo_tokenizer
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "configs/demo/eval_demo.yaml"
@@ -127,9 +128,13 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
+    """eval.py in a process of its own: a fresh interpreter for a config error (it must stop before torch is even
+    imported), else a process forked from a warm one (tests/warm.py: no 10 s of imports per case)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "eval.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=env)
+    if not any(a.startswith("model.pretrained_model=") for a in args):
+        return subprocess.run([sys.executable, "eval.py", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env=env)
+    return warm.run(["eval.py", *args], cwd=ROOT, env=env, timeout=300)
 
 
 def test_bad_inputs_are_one_line_errors(world):
