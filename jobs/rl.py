@@ -494,7 +494,7 @@ class RLJob:
             for reason, n in more_summary["dropped_by"].items():
                 dropped_by[reason] = dropped_by.get(reason, 0) + n
             for gid in sorted({t.group_id for t in more if t.sample_id in more_adv}, key=int):
-                ids = [t.sample_id for t in more if t.group_id == gid]
+                ids = [t.sample_id for t in more if t.group_id == gid and t.sample_id in more_adv]  # scored ones
                 if len(kept_groups) < want:
                     kept_groups.add(gid)
                     advantages.update({sid: more_adv[sid] for sid in ids})

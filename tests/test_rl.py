@@ -80,7 +80,10 @@ def _harness(args: list[str], kill: str | None = None) -> subprocess.CompletedPr
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if kill:
         env["RL_HARNESS_KILL"] = kill
-    return warm.run([str(HARNESS), *args], cwd=ROOT, env=env, timeout=600)  # a process forked from a warm one
+    # a process forked from a warm one; killed and resumed runs from another server than the uninterrupted run they
+    # are compared with, so that the two never share a hash seed or an unseeded random state
+    server = "interrupted" if kill or "experiment.start_from_scratch=false" in args else "main"
+    return warm.run([str(HARNESS), *args], cwd=ROOT, env=env, timeout=600, server=server)
 
 
 @pytest.mark.slow
@@ -291,3 +294,29 @@ def test_samples_the_sandbox_failed_on_leave_their_group_and_a_broken_sandbox_st
     with pytest.raises(SandboxFailure, match="failed to run 9 of 12 programs"):
         run_rl(load_config(demo_args(tmp_path / "again", ckpts["sdar"], **{"experiment.total_step": 1}), "rl"),
                progress=False)
+
+
+def test_dynamic_sampling_keeps_a_redrawn_group_without_its_unscored_sample(tmp_path, ckpts, monkeypatch):
+    import jobs.evaluate
+    from jobs.rl import run_rl
+
+    draws = []
+
+    def score(rollout, tasks, data_type, **kw):  # the first draw ties every group; redraws split them 1 / 0
+        draws.append(len(rollout))
+        for t in rollout:
+            t.score = 1.0 if len(draws) > 1 and t.sample_id.endswith("-1") else 0.0
+            if t.sample_id.endswith("-0"):  # one program of each group of 3 the sandbox failed to run
+                t.meta["sandbox_error"] = "setup failed"
+        return [t.score for t in rollout]
+
+    monkeypatch.setattr(jobs.evaluate, "score_rollout", score)
+    m = run_rl(load_config(demo_args(tmp_path, ckpts["sdar"], **{
+        "experiment.total_step": 1, "rollout.num_response_per_task": 3, "reward.filter_all_equal": "true",
+        "rollout.dynamic_sampling_rounds": 2}), "rl"), progress=False)[-1]
+    assert draws == [9, 9] and m["resample_rounds"] == 1
+    assert (m["kept"], m["dropped"], m["dropped_by"]) == (6, 12, {"all_equal": 6, "sandbox_error": 6})
+    rows = [json.loads(x) for x in (tmp_path / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
+    trained = {r["sample_id"]: r["meta"]["advantage"] for r in rows if r["meta"]["advantage"] is not None}
+    assert sorted(trained.values()) == [-1.0] * 3 + [1.0] * 3  # z-scores of (1, 0) in each redrawn group
+    assert all(sid.endswith(("-1", "-2")) for sid in trained) and m["optimizer_steps"] >= 1
