@@ -17,6 +17,8 @@ if sys.argv[2] == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 if sys.argv[2] == "raise":
     raise ValueError("boom")
+if sys.argv[2] == "interrupt":
+    raise KeyboardInterrupt
 if sys.argv[2] == "hang":
     signal.pause()
 sys.exit(int(sys.argv[2]))
@@ -36,5 +38,9 @@ def test_a_warm_run_has_its_own_exit_code_streams_directory_and_environment(tmp_
     raised = warm.run([str(script), str(tmp_path), "raise"], cwd=tmp_path, env={})
     assert raised.returncode == 1 and raised.stderr.rstrip().endswith("ValueError: boom")
     assert "err None" in raised.stderr  # the environment given, not the server's
+    interrupted = warm.run([str(script), str(tmp_path), "interrupt"], cwd=tmp_path, env=env)
+    fresh = subprocess.run([sys.executable, str(script), str(tmp_path), "interrupt"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert interrupted.returncode == fresh.returncode == -2 and "KeyboardInterrupt" in interrupted.stderr
     with pytest.raises(subprocess.TimeoutExpired):
         warm.run([str(script), str(tmp_path), "hang"], cwd=tmp_path, env=env, timeout=2)

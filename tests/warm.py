@@ -9,7 +9,10 @@ and environment, and the atexit handlers at the end. What a fresh interpreter re
 start-up (``PYTHONWARNINGS``, ``OMP_NUM_THREADS``) is applied in the child.
 
 ``run`` mirrors ``subprocess.run([sys.executable, *argv], capture_output=True, text=True)``; ``call`` mirrors
-``subprocess.call`` with stdout and stderr going to one open file.
+``subprocess.call`` with stdout and stderr going to one open file. Children of one server share its hash seed and
+its unseeded random state; runs compared for independence (an interrupted run against an uninterrupted one) are
+started from different servers. A server starts on first use, with the environment of that moment (variables that
+libraries read at import, such as ``HF_HOME``, come from there), and ends with the tests, killing any child left.
 
     python tests/warm.py    # the server: requests on stdin, replies on stdout (one JSON object per line)
 """
@@ -48,18 +51,28 @@ def _exit_code(exc: SystemExit) -> int:
 
 def _become(req: dict) -> None:
     """In the forked child: take the request's files, directory and environment, run its script, exit."""
+    code = 1
+    try:
+        code = _run_script(req)
+    except BaseException:  # noqa: BLE001 - e.g. a missing working directory: reported, never back into the server
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _run_script(req: dict) -> int:
+    os.close(_REPLIES[0])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, req["out"]), (2, req["err"])):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(handle, fd)
         os.close(handle)
-    os.close(_REPLIES[0])
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
     if req["env"].get("PYTHONWARNINGS"):
-        warnings.simplefilter(req["env"]["PYTHONWARNINGS"].split(":")[0])  # type: ignore[arg-type]
+        warnings._processoptions(req["env"]["PYTHONWARNINGS"].split(","))  # as the interpreter reads it
     if req["env"].get("OMP_NUM_THREADS"):
         import torch
 
@@ -74,13 +87,20 @@ def _become(req: dict) -> None:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         code = _exit_code(exc)
+    except KeyboardInterrupt:  # the interpreter ends by SIGINT then: exit code -2
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:  # noqa: BLE001 - as the interpreter does: print the traceback, exit 1
         traceback.print_exc()
         code = 1
+    threading._shutdown()  # type: ignore[attr-defined] - the interpreter joins non-daemon threads before atexit
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
 
 
 _REPLIES: list[int] = []  # the server's reply pipe, moved off fd 1 so that nothing printed can corrupt it
@@ -96,14 +116,20 @@ def serve() -> None:
     os.dup2(2, 1)
     for name in PRELOAD:
         __import__(name)
+    import torch
+
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA then
+        raise RuntimeError("a preloaded module initialised CUDA in the warm test server")
     _reply(ready=True)
     pending, alive = b"", set()
     while True:
         readable, _, _ = select.select([0], [], [], 0.05)
         if readable:
             chunk = os.read(0, 1 << 16)
-            if not chunk:
-                return  # the tests are done
+            if not chunk:  # the tests are done, or were stopped: no run outlives them
+                for pid in alive:
+                    os.kill(pid, signal.SIGKILL)
+                return
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
@@ -131,10 +157,10 @@ class _Server:
                                      stdout=subprocess.PIPE)
         if json.loads(self.proc.stdout.readline() or "{}") != {"ready": True}:
             raise RuntimeError("the warm test server did not start")
-        self.lock, self.next_id = threading.Lock(), 0
+        self.next_id, self.dead = 0, False
         self.pids: dict[int, int] = {}
         self.codes: dict[int, int] = {}
-        self.changed = threading.Condition(self.lock)
+        self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
         atexit.register(self.proc.stdin.close)
 
@@ -147,64 +173,81 @@ class _Server:
                 else:
                     self.codes[msg["pid"]] = msg["code"]
                 self.changed.notify_all()
+        with self.changed:  # the server is gone: nobody waits for ever
+            self.dead = True
+            self.changed.notify_all()
+
+    def _alive(self) -> None:
+        if self.dead:
+            raise RuntimeError(f"the warm test server died (exit {self.proc.poll()})")
 
     def start(self, argv: list[str], cwd: Path | str, env: dict, out: Path, err: Path) -> int:
         with self.changed:
+            self._alive()
             self.next_id += 1
             rid = self.next_id
             self.proc.stdin.write((json.dumps({"id": rid, "argv": list(argv), "cwd": str(cwd), "env": env,
                                                "out": str(out), "err": str(err)}) + "\n").encode())
             self.proc.stdin.flush()
-            self.changed.wait_for(lambda: rid in self.pids)
+            self.changed.wait_for(lambda: rid in self.pids or self.dead)
+            self._alive()
             return self.pids.pop(rid)
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
         with self.changed:
-            self.changed.wait_for(lambda: pid in self.codes, timeout)
+            self.changed.wait_for(lambda: pid in self.codes or self.dead, timeout)
+            if pid not in self.codes:
+                self._alive()
             return self.codes.pop(pid, None)
 
 
-_SERVER: list[_Server] = []
-_SERVER_LOCK = threading.Lock()
+_SERVERS: dict[str, _Server] = {}
+_SERVERS_LOCK = threading.Lock()
 
 
-def _server() -> _Server:
-    with _SERVER_LOCK:
-        if not _SERVER:
-            _SERVER.append(_Server())
-        return _SERVER[0]
+def _server(name: str) -> _Server:
+    with _SERVERS_LOCK:
+        if name not in _SERVERS:
+            _SERVERS[name] = _Server()
+        return _SERVERS[name]
 
 
 def _run_to_end(argv: list[str], cwd: Path | str, env: dict | None, out: Path, err: Path,
-                timeout: float | None) -> int:
-    server = _server()
-    pid = server.start(argv, cwd, dict(os.environ if env is None else env), out, err)
-    code = server.wait(pid, timeout)
+                timeout: float | None, server: str) -> int:
+    warm = _server(server)
+    pid = warm.start(argv, cwd, dict(os.environ if env is None else env), out, err)
+    try:
+        code = warm.wait(pid, timeout)
+    except BaseException:  # e.g. the test was interrupted: as subprocess.run, leave no child running
+        os.kill(pid, signal.SIGKILL)
+        raise
     if code is None:
         os.kill(pid, signal.SIGKILL)
-        server.wait(pid, None)
+        warm.wait(pid, None)
         raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
     return code
 
 
-def run(argv: list[str], cwd: Path | str, env: dict | None = None,
-        timeout: float | None = None) -> subprocess.CompletedProcess:
-    """``argv`` (a script and its arguments, or ``-m module ...``) in a warm child; output captured as text."""
+def run(argv: list[str], cwd: Path | str, env: dict | None = None, timeout: float | None = None,
+        server: str = "main") -> subprocess.CompletedProcess:
+    """``argv`` (a script and its arguments, or ``-m module ...``) in a warm child of the server named ``server``;
+    output captured as text. Children of one server share its hash seed and its unseeded random state: runs that
+    a test compares for independence belong to different servers (fresh interpreters, seeds of their own)."""
     with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        code = _run_to_end(argv, cwd, env, out, err, timeout)
+        code = _run_to_end(argv, cwd, env, out, err, timeout, server)
         text = [p.read_text(errors="replace") if p.exists() else "" for p in (out, err)]
     return subprocess.CompletedProcess([sys.executable, *argv], code, *text)
 
 
 def call(cmd: list[str], cwd: Path | str, stdout, stderr=None, env: dict | None = None,
-         timeout: float | None = None) -> int:
+         timeout: float | None = None, server: str = "main") -> int:
     """``subprocess.call([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT)`` in a warm child."""
     if stderr is not subprocess.STDOUT:
         raise ValueError("warm.call sends stderr to stdout's file (stderr=subprocess.STDOUT)")
     argv = cmd[1:] if cmd[:1] == [sys.executable] else cmd
     stdout.flush()
-    return _run_to_end(argv, cwd, env, Path(stdout.name), Path(stdout.name), timeout)
+    return _run_to_end(argv, cwd, env, Path(stdout.name), Path(stdout.name), timeout, server)
 
 
 if __name__ == "__main__":
