@@ -15,23 +15,23 @@ Then the ratios against offline batch and against one client, and the CPU the cl
 core over the level's wall time: what clients elsewhere would leave to the server).
 
 Three processes, as in use: the server (the engine driven on its main thread, HTTP on another, as serve.py runs
-them), the clients (one event loop; their HTTP and JSON work never holds the server's interpreter lock) and this
-one, which runs the offline baseline with no server inside it (an idle engine thread in the same process made
-offline ``generate`` up to 1.5x slower on 2 cores: see jobs/serve_engine.py on OpenMP teams). On a small machine
-the clients still share the server's cores (clients elsewhere would not).
+them), the clients (``bench.serve_client``, no torch: one event loop; their HTTP and JSON work never holds the
+server's interpreter lock) and this one, which runs the offline baseline with no server inside it (an idle engine
+thread in the same process made offline ``generate`` up to 1.5x slower on 2 cores: see jobs/serve_engine.py on
+OpenMP teams). On a small machine the clients still share the server's cores (clients elsewhere would not).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import multiprocessing
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
+from pathlib import Path
 
 import torch
 
@@ -42,6 +42,8 @@ from jobs.serve import build_app, serve_until_closed
 from jobs.serve_engine import ServeEngine
 from sample.generate import generate
 from sample.params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def build_adapter(preset: str, device: str, dtype: torch.dtype, block_size: int):
@@ -69,98 +71,16 @@ def offline(adapter, prompts: list[str], params: SamplingParams, batch: int) -> 
     return tokens / (time.perf_counter() - start)
 
 
-class Connection:
-    """One keep-alive HTTP/1.1 connection that posts JSON and reads a chunked SSE answer, on asyncio's streams: a
-    load generator as light as it can be, since on a small machine its CPU comes out of the server's cores. For 32
-    streamed chat requests of 64 tokens (~640 events) it takes 0.026 s of CPU where httpx's async client took
-    0.11 s (2 cores, three rounds each)."""
-
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post_stream(self, path: str, body: dict) -> AsyncIterator[bytes]:
-        """The ``data:`` payloads of the server-sent events answering a POST of ``body``."""
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        payload = json.dumps(body).encode()
-        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json"
-                          f"\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1")
-        status = head.split(" ", 2)[1]
-        if status != "200" or "transfer-encoding: chunked" not in head.lower():
-            raise RuntimeError(f"the server answered {head.splitlines()[0]!r}, not a chunked 200")
-        pending = b""
-        while size := int((await self.reader.readuntil(b"\r\n"))[:-2], 16):
-            pending += (await self.reader.readexactly(size + 2))[:-2]
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                if event.startswith(b"data: "):
-                    yield event[6:]
-        await self.reader.readexactly(2)  # the empty chunk's line end
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(OSError):
-                await self.writer.wait_closed()
-
-
-async def one_request(conn: Connection, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """(seconds to the first streamed text, seconds to the end, completion tokens) of one streaming chat."""
-    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start, first, tokens = time.perf_counter(), None, 0
-    async for data in conn.post_stream("/v1/chat/completions", body):
-        if data == b"[DONE]":
-            continue
-        chunk = json.loads(data)
-        if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
-            first = time.perf_counter() - start
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-    return first if first is not None else float("nan"), time.perf_counter() - start, tokens
-
-
-async def client_load(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple[list, float, float]:
-    """``clients`` concurrent clients (one event loop, a connection each) share the prompts; every request's
-    timings, the wall time and the CPU seconds the clients took."""
-    host, port = urlsplit(url).hostname, urlsplit(url).port
-    todo = iter(prompts)
-    results: list[tuple[float, float, int]] = []
-
-    async def client_loop() -> None:
-        conn = Connection(host, port)
-        try:
-            for prompt in todo:  # one event loop: no lock needed between the clients
-                results.append(await one_request(conn, prompt, max_tokens))
-        finally:
-            await conn.close()
-
-    start, cpu = time.perf_counter(), time.process_time()
-    await asyncio.gather(*(client_loop() for _ in range(clients)))
-    return results, time.perf_counter() - start, time.process_time() - cpu
-
-
-def _client_process(url: str, prompts: list[str], clients: int, max_tokens: int, conn) -> None:
-    conn.send(asyncio.run(client_load(url, prompts, clients, max_tokens)))
-    conn.close()
-
-
 def served(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
     """One concurrency level: ``clients`` clients in another process (as real clients are: their HTTP and JSON work
-    does not hold the server's interpreter lock) share the prompts; throughput and latency percentiles."""
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_client_process, args=(url, prompts, clients, max_tokens, send), daemon=True)
-    proc.start()
-    try:
-        results, wall, client_cpu = receive.recv()
-    except EOFError:
-        raise RuntimeError(f"the client process died (exit {proc.exitcode})") from None
-    finally:
-        proc.join()
+    does not hold the server's interpreter lock) share the prompts; throughput and latency percentiles. The clients'
+    process is ``bench.serve_client``: it imports no torch, so it starts in a fraction of a second."""
+    job = json.dumps({"url": url, "prompts": prompts, "clients": clients, "max_tokens": max_tokens})
+    done = subprocess.run([sys.executable, "-m", "bench.serve_client"], input=job, capture_output=True, text=True,
+                          cwd=REPO)
+    if done.returncode:
+        raise RuntimeError(f"the client process failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    results, wall, client_cpu = json.loads(done.stdout)
     ttft, total = sorted(r[0] for r in results), sorted(r[1] for r in results)
     return {"clients": clients, "tok_s": sum(r[2] for r in results) / wall, "ttft_p50": _pct(ttft, 50),
             "ttft_p95": _pct(ttft, 95), "end_p50": _pct(total, 50), "end_p95": _pct(total, 95),
