@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from core.files import RunDirError
 from jobs.config import load_config
 from models.tiny import save_tiny_checkpoint
+from tests import warm
 from tests.test_rl import _harness, comparable, demo_args, weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -522,9 +523,12 @@ def test_errors_name_the_key_as_the_user_wrote_it(tmp_path):
         load_config([f"config={yaml_file}"], "eval")
 
 
-def _viewer(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.trace_viewer", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+def _viewer(args: list[str], fresh: bool = False) -> subprocess.CompletedProcess:
+    """The viewer's command in a fresh interpreter, or forked from a warm one (tests/warm.py) for the error cases."""
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "tools.trace_viewer", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+    return warm.run(["-m", "tools.trace_viewer", *args], cwd=ROOT, timeout=120)
 
 
 def test_trace_viewer_command_line_corners(tmp_path, demo_tokenizer):
@@ -557,7 +561,8 @@ def test_trace_viewer_command_line_corners(tmp_path, demo_tokenizer):
         lines = [x for x in proc.stderr.splitlines() if "error:" in x]
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (extra, proc.stderr[-1500:])
         assert len(lines) == 1 and culprit in lines[0], (extra, proc.stderr)
-    assert _viewer([f"--trajectories={good}", f"--tokenizer={tok}", f"--out={tmp_path / 'ok.html'}"]).returncode == 0
+    done = _viewer([f"--trajectories={good}", f"--tokenizer={tok}", f"--out={tmp_path / 'ok.html'}"], fresh=True)
+    assert done.returncode == 0 and (tmp_path / "ok.html").stat().st_size > 0
 
 
 def test_a_prompt_longer_than_the_model_positions_is_one_line(tmp_path, model, capsys):
