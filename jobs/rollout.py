@@ -92,7 +92,12 @@ def score_rollout(rollout: list, tasks: list[dict], data_type: str, max_tokens: 
     rows = [tasks[t.task_index] for t in rollout]
     limit = max_tokens if truncation_margin is not None else None
     scores = [0.0] * len(rollout)
-    live = [i for i, t in enumerate(rollout) if not is_truncated(len(t.response_ids), limit, truncation_margin or 0)]
+    live = []
+    for i, t in enumerate(rollout):
+        if is_truncated(len(t.response_ids), limit, truncation_margin or 0):
+            t.meta["truncated"] = True  # scored 0 by the length rule, not by its answer (a program: never run)
+        else:
+            live.append(i)
     if data_type == "code":
         _score_programs(rollout, rows, live, scores, execute or SandboxConfig(), progress)
     else:
@@ -134,13 +139,15 @@ def unscored_count(trajs: list) -> int:
 
 
 def check_sandbox_failures(trajs: list) -> None:
-    """Raise ``SandboxFailure`` when the sandbox failed on more than half of the programs: a broken sandbox must
-    stop the job, never become rewards of 0 that a policy learns from. A few failures (e.g. the host briefly out of
-    processes) leave their samples marked, for the caller to drop or count."""
+    """Raise ``SandboxFailure`` when the sandbox failed on more than half of the programs it was given (truncated
+    responses are not run): a broken sandbox must stop the job, never become rewards of 0 that a policy learns
+    from. A few failures (e.g. the host briefly out of processes) leave their samples marked, for the caller to
+    drop or count."""
     bad = [t for t in trajs if "sandbox_error" in t.meta]
-    if bad and 2 * len(bad) > len(trajs):
+    ran = sum(not t.meta.get("truncated") for t in trajs)  # truncated programs were never given to the sandbox
+    if bad and 2 * len(bad) > ran:
         detail = bad[0].meta["sandbox_error"].strip().splitlines() or ["no detail"]
-        raise SandboxFailure(f"the code sandbox failed to run {len(bad)} of {len(trajs)} programs (first: "
+        raise SandboxFailure(f"the code sandbox failed to run {len(bad)} of {ran} programs (first: "
                              f"{detail[-1][:200]}); check execute.isolation and the host's process limits")
 
 

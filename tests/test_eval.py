@@ -92,7 +92,7 @@ def test_code_responses_within_the_truncation_margin_score_zero_and_are_not_run(
     real = jobs.rollout.run_many
     monkeypatch.setattr(jobs.rollout, "run_many", lambda jobs, **kw: ran.append(len(jobs)) or real(jobs, **kw))
     assert score_rollout(rollout, tasks, "code", max_tokens=100, truncation_margin=5) == [1.0, 0.0]
-    assert ran == [1]
+    assert ran == [1] and [t.meta.get("truncated") for t in rollout] == [None, True]
     assert score_rollout(_rollout([good, good]), tasks, "code") == [1.0, 1.0]  # eval: no margin
 
 
@@ -114,6 +114,10 @@ def test_a_broken_sandbox_marks_its_samples_and_stops_the_job_past_half(monkeypa
     with pytest.raises(sandbox.SandboxFailure, match=r"failed to run 2 of 3 programs") as err:
         check_sandbox_failures([*broken, fine[0]])
     assert "\n" not in str(err.value)
+    for t in fine[1:]:  # two of four, yet both programs it was given: truncated responses are never run
+        t.meta["truncated"] = True
+    with pytest.raises(sandbox.SandboxFailure, match=r"failed to run 2 of 2 programs"):
+        check_sandbox_failures([*broken, *fine[1:]])
 
 
 def test_the_summary_table_says_how_many_programs_the_sandbox_failed_to_run():
