@@ -20,6 +20,7 @@ libraries read at import, such as ``HF_HOME``, come from there), and ends with t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -64,6 +65,7 @@ def _run_script(req: dict) -> int:
     os.close(_REPLIES[0])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     for fd, path in ((1, req["out"]), (2, req["err"])):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(handle, fd)
@@ -103,6 +105,11 @@ def _run_script(req: dict) -> int:
     return code
 
 
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+        os.kill(pid, signal.SIGKILL)
+
+
 _REPLIES: list[int] = []  # the server's reply pipe, moved off fd 1 so that nothing printed can corrupt it
 
 
@@ -128,7 +135,7 @@ def serve() -> None:
             chunk = os.read(0, 1 << 16)
             if not chunk:  # the tests are done, or were stopped: no run outlives them
                 for pid in alive:
-                    os.kill(pid, signal.SIGKILL)
+                    _kill(pid)
                 return
             pending += chunk
             while b"\n" in pending:
@@ -219,10 +226,10 @@ def _run_to_end(argv: list[str], cwd: Path | str, env: dict | None, out: Path, e
     try:
         code = warm.wait(pid, timeout)
     except BaseException:  # e.g. the test was interrupted: as subprocess.run, leave no child running
-        os.kill(pid, signal.SIGKILL)
+        _kill(pid)
         raise
     if code is None:
-        os.kill(pid, signal.SIGKILL)
+        _kill(pid)
         warm.wait(pid, None)
         raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
     return code
