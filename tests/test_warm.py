@@ -44,3 +44,12 @@ def test_a_warm_run_has_its_own_exit_code_streams_directory_and_environment(tmp_
     assert interrupted.returncode == fresh.returncode == -2 and "KeyboardInterrupt" in interrupted.stderr
     with pytest.raises(subprocess.TimeoutExpired):
         warm.run([str(script), str(tmp_path), "hang"], cwd=tmp_path, env=env, timeout=2)
+
+
+def test_off_linux_a_run_is_a_fresh_interpreter(tmp_path, monkeypatch):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    monkeypatch.setattr(warm.sys, "platform", "darwin")  # fork after importing torch is unsafe there
+    done = warm.run([str(script), str(tmp_path), "4"], cwd=tmp_path, env={"WARM_PROBE": "fresh"}, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (4, f"out ['{tmp_path}', '4'] True __main__\n",
+                                                           "err fresh\n")

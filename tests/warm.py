@@ -221,6 +221,10 @@ def _server(name: str) -> _Server:
 
 def _run_to_end(argv: list[str], cwd: Path | str, env: dict | None, out: Path, err: Path,
                 timeout: float | None, server: str) -> int:
+    if sys.platform != "linux":  # fork after importing torch is only safe on Linux (macOS: the ObjC runtime): fresh
+        with open(out, "ab") as stdout, open(err, "ab") if err != out else contextlib.nullcontext(stdout) as stderr:
+            return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+                                  timeout=timeout).returncode
     warm = _server(server)
     pid = warm.start(argv, cwd, dict(os.environ if env is None else env), out, err)
     try:
