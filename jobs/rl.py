@@ -58,7 +58,7 @@ from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, end_processes, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
-from jobs.rollout import check_for_model, load_tasks, unscored_count
+from jobs.rollout import check_for_model, load_tasks
 from jobs.trackers import start_trackers
 from models.lora import wrapped_model
 from models.registry import family_spec, load_model, load_policy
@@ -533,7 +533,7 @@ class RLJob:
         scored = [(t, p) for t, p in zip(trajs, shaping, strict=True) if "sandbox_error" not in t.meta]
         result = group_advantages([ScoredSample(t.sample_id, t.group_id, t.score + p, t.correct) for t, p in scored],
                                   acc_band=band, drop_all_equal=r.filter_all_equal, estimator=r.advantage)
-        s, unscored = result.summary, unscored_count(trajs)
+        s, unscored = result.summary, len(trajs) - len(scored)
         out = {"kept": s["kept"], "dropped": s["dropped"] + unscored,
                "dropped_by": {**s["dropped_by_reason"], **({"sandbox_error": unscored} if unscored else {})}}
         if r.overlong_buffer:
@@ -659,15 +659,16 @@ def _merged_stats(a: dict, b: dict) -> dict:
 
 def _rollout_metrics(trajs: list[Trajectory], stats: dict) -> dict:
     n = max(len(trajs), 1)
-    correct = [t.correct for t in trajs]
+    # reward, acc and pass@k are verdicts: a sample the sandbox failed to run has none and is left out of them
+    scored = [t for t in trajs if "sandbox_error" not in t.meta]
     groups: dict[str, list[bool]] = {}
-    for t in trajs:
+    for t in scored:
         groups.setdefault(t.group_id, []).append(t.correct)
     k = max((len(g) for g in groups.values()), default=1)
     sampled_logp = [lp for t in trajs for lp in t.logprobs]
     return {
-        "reward": sum(t.score for t in trajs) / n,
-        "acc": sum(correct) / n,
+        "reward": sum(t.score for t in scored) / max(len(scored), 1),
+        "acc": sum(t.correct for t in scored) / max(len(scored), 1),
         f"pass@{k}": sum(pass_at_k(len(g), sum(g), len(g)) for g in groups.values()) / max(len(groups), 1),
         "response_length": sum(len(t.response_ids) for t in trajs) / n,
         "tokens_per_step": tokens_per_step(t.step_map for t in trajs),

@@ -109,10 +109,12 @@ def score_rollout(rollout: list, tasks: list[dict], data_type: str, max_tokens: 
 
 def _score_answers(rollout: list, rows: list[dict], live: list[int], scores: list[float], data_type: str) -> None:
     """Fill ``scores[i]``, i in ``live``: puzzles by their verifier, the rest by the math/option checker."""
-    puzzles = [i for i in live if data_type == "math" and "verifier" in rows[i]]
-    for i in puzzles:
-        scores[i] = score_puzzle(rollout[i].text, rows[i])
-    plain = [i for i in live if data_type != "math" or "verifier" not in rows[i]]
+    plain = []
+    for i in live:
+        if data_type == "math" and "verifier" in rows[i]:
+            scores[i] = score_puzzle(rollout[i].text, rows[i])
+        else:
+            plain.append(i)
     if plain:
         checked = score_math_batch([rollout[i].text for i in plain], [rows[i]["ground_truth_answer"] for i in plain],
                                    data_type=data_type, truncation_margin=None)

@@ -283,6 +283,9 @@ def test_samples_the_sandbox_failed_on_leave_their_group_and_a_broken_sandbox_st
     for r in rollouts:
         if r["sample_id"].endswith("-0"):
             assert r["meta"]["advantage"] is None and r["meta"]["sandbox_error"]
+    right = sum(sum(r["response_ids"]) % 2 for r in rollouts if not r["sample_id"].endswith("-0"))
+    assert 0 < right < 9  # the step's reward and acc are over the 9 scored samples, not the 12
+    assert history[-1]["reward"] == pytest.approx(right / 9) and history[-1]["acc"] == pytest.approx(right / 9)
     for gid in {r["group_id"] for r in rollouts}:  # z-scores over the group's three scored samples
         rest = [r for r in rollouts if r["group_id"] == gid and not r["sample_id"].endswith("-0")]
         scores = [float(sum(r["response_ids"]) % 2) for r in rest]
