@@ -82,6 +82,10 @@ class RLExperimentConfig(ExperimentConfig):
     max_idle_steps: int = bounded(5, 0)  # stop after N steps in a row with no optimizer update; 0 = never stop
 
 
+# folders of ckpt/ the SFT job keeps its resumable checkpoint in (jobs/sft.py): no final model may take their name
+RESERVED_CKPT_NAMES = ("last", "last.partial", "last.old")
+
+
 @dataclass
 class ModelConfig(Settings):
     """Which checkpoint to load and how."""
@@ -104,6 +108,18 @@ class EvalModelConfig(ModelConfig):
 @dataclass
 class TrainModelConfig(ModelConfig):
     optimized_name: str = "optimized"  # rolling checkpoint {output_dir}/{project}/ckpt/{optimized_name}
+
+    def validate(self) -> None:
+        super().validate()
+        for key in ("optimized_name", "optimized_value_name"):
+            name = getattr(self, key, None)
+            if name is not None and (name in RESERVED_CKPT_NAMES or name in ("", ".", "..") or "/" in name
+                                     or "\\" in name):
+                raise SettingError(key, f"{key} {name!r} must be a plain folder name under ckpt/, not one of "
+                                   f"{', '.join(RESERVED_CKPT_NAMES)} (the run's own checkpoints)")
+        if getattr(self, "optimized_value_name", None) == self.optimized_name:
+            raise SettingError("optimized_value_name", "optimized_value_name and optimized_name name the same "
+                               f"folder ({self.optimized_name!r}): the policy and the value model need one each")
 
 
 @dataclass
@@ -299,7 +315,7 @@ class SystemConfig(Settings):
             os.environ[key] = str(value)
         if self.base_dir:
             if not Path(self.base_dir).is_dir():
-                raise SettingError("base_dir", f"system.base_dir {self.base_dir!r} is not a directory")
+                raise ConfigError(f"key 'system.base_dir': {self.base_dir!r} is not a directory", "system.base_dir")
             os.chdir(self.base_dir)
 
 
@@ -425,6 +441,14 @@ class SFTConfig(Settings):
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     system: SystemConfig = field(default_factory=SystemConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        full = ATTENTION_OF[self.model.model_base] == "full"
+        if full and self.training.view_method("full") == "semi_ar" and self.training.block_size is None:
+            raise SettingError("training.block_size", f"semi-ar SFT of {self.model.model_base} (full attention) "
+                               "trains one response block at a time and needs training.block_size (e.g. 32; the "
+                               "reference's Dream / LLaDA recipes), or another training.method")
 
 
 SCHEMAS: dict[str, type] = {"rl": RLConfig, "eval": EvalConfig, "sft": SFTConfig, "serve": ServeConfig}

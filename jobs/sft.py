@@ -4,9 +4,10 @@ Data (``dataset.optimization_data``): ``data/<name>.json|.jsonl``, a path to suc
 saved with ``save_to_disk``, ``hub:<org>/<name>[:<split>]`` (a hub dataset, read through the ``datasets`` cache, so
 it works offline once downloaded), or ``builtin:arithmetic``. Rows are ``{prompt, response[, step_map]}`` or chat
 ``{messages: [...]}`` (the last assistant message is the response). Prompts are rendered with the tokenizer's chat
-template (a prompt that already contains the template's special tokens is taken as it is); the response is
-encoded as text and closed with the family's turn-end token; the loss covers response tokens only. Rows whose
-prompt exceeds ``training.max_prompt_len`` are reported and skipped by id (nothing shifts).
+template (a prompt that already starts with one of the tokenizer's special tokens, i.e. is rendered, is taken as
+it is); the response is encoded as text and closed with the family's turn-end token; the loss covers response
+tokens only. Rows whose prompt exceeds ``training.max_prompt_len`` are reported and skipped by id (nothing
+shifts); responses longer than ``training.max_gen_length`` are cut there, and the job says how many.
 
 Run directory ``{output_dir}/{project}/``: ``config.yaml``, ``metrics.jsonl`` (one line per optimiser step),
 ``ckpt/<optimized_name>/`` (the final model, loadable by ``from_pretrained`` / ``load_model``) and ``ckpt/last/``
@@ -31,7 +32,15 @@ from core.schema import replace
 from data.builtin import builtin_sft_rows, sft_names
 from data.formats import DataFormatError, read_raw_rows
 from data.prompts import prompt_ids
-from jobs.checkpoint import check_fresh_run_dir, checkpoint_problem, empty_run_dir, load_checkpoint, save_checkpoint
+from jobs.checkpoint import (
+    check_fresh_run_dir,
+    checkpoint_problem,
+    empty_run_dir,
+    is_complete,
+    load_checkpoint,
+    remove_checkpoint,
+    save_checkpoint,
+)
 from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, end_processes, is_main
@@ -86,7 +95,14 @@ def read_rows(name: str, data_dir: str = "data") -> list[dict]:
             from datasets import load_from_disk
         except ImportError:  # pragma: no cover - datasets is a requirement
             raise DataFormatError(f"{path}: reading a datasets folder needs the datasets package") from None
-        rows = [dict(r) for r in load_from_disk(str(path))]
+        data = load_from_disk(str(path))
+        if isinstance(data, dict):  # a DatasetDict (saved from load_dataset): its train split, or its only one
+            splits = list(data)
+            if "train" not in splits and len(splits) != 1:
+                raise DataFormatError(f"{path}: a dataset of splits {splits} has no 'train' split; save the split "
+                                      "to train on")
+            data = data["train" if "train" in splits else splits[0]]
+        rows = [dict(r) for r in data]
         if not rows:
             raise DataFormatError(f"{path}: the dataset has no rows")
         return [_check_row(r, str(path), i) for i, r in enumerate(rows)]
@@ -119,6 +135,7 @@ def _hub_rows(name: str) -> list[dict]:
 
 
 def _check_row(row: Any, where: str, i: int) -> dict:
+    """The row, validated; chat contents given as lists of text parts (OpenAI's form) come back as strings."""
     if not isinstance(row, dict):
         raise DataFormatError(f"{where}: row {i}: expected an object, got {type(row).__name__}")
     if "messages" in row:
@@ -128,21 +145,38 @@ def _check_row(row: Any, where: str, i: int) -> dict:
             raise DataFormatError(f"{where}: row {i}: field 'messages': expected a list of {{role, content}}")
         if msgs[-1]["role"] != "assistant":
             raise DataFormatError(f"{where}: row {i}: field 'messages': the last message must be the assistant's")
-        return row
-    for key in ("prompt", "response"):
-        if not isinstance(row.get(key), str) or not row[key]:
-            raise DataFormatError(f"{where}: row {i}: field '{key}': expected a non-empty string")
+        row = {**row, "messages": [{**m, "content": _content_text(m["content"], where, i, j)}
+                                   for j, m in enumerate(msgs)]}
+        if not row["messages"][-1]["content"]:
+            raise DataFormatError(f"{where}: row {i}: field 'messages': the assistant's message is empty")
+    else:
+        for key in ("prompt", "response"):
+            if not isinstance(row.get(key), str) or not row[key]:
+                raise DataFormatError(f"{where}: row {i}: field '{key}': expected a non-empty string")
     steps = row.get("step_map")
-    if steps is not None and (not isinstance(steps, list) or not all(isinstance(s, int) and s >= 0 for s in steps)):
+    if steps is not None and (not isinstance(steps, list) or not all(type(s) is int and s >= 0 for s in steps)):
         raise DataFormatError(f"{where}: row {i}: field 'step_map': expected a list of non-negative integers")
     return row
+
+
+def _content_text(content: Any, where: str, i: int, j: int) -> str:
+    """A chat message's text: a string, or the text parts of a list of content parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise DataFormatError(f"{where}: row {i}: field 'messages': message {j}'s content must be a string or a list of "
+                          f"{{type: text, text}} parts, got {type(content).__name__}")
 
 
 def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajectory]:
     """Token-level samples (prompt ids, response ids closed by the turn-end token, step map)."""
     end = turn_end_id(adapter)
     tok = adapter.tokenizer
-    specials = [t for t in tok.all_special_tokens if t not in (tok.mask_token,)]
+    # a prompt rendered with a chat template already starts with one of its special tokens (<|im_start|>, BOS);
+    # one that only mentions a special token's spelling is a plain question and gets the template
+    specials = tuple(t for t in tok.all_special_tokens if t not in (tok.mask_token,))
     out = []
     for i, row in enumerate(rows):
         if "question" in row and "prompt" not in row and "messages" not in row:  # a built-in task's row: the
@@ -151,9 +185,9 @@ def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajec
             text, steps = row["response"], None
         elif "messages" in row:
             prompt = adapter.encode_chat(row["messages"][:-1])
-            text, steps = str(row["messages"][-1]["content"]), row.get("step_map")
+            text, steps = row["messages"][-1]["content"], row.get("step_map")
         else:
-            templated = any(sp in row["prompt"] for sp in specials)
+            templated = row["prompt"].startswith(specials)
             prompt = tok.encode(row["prompt"], add_special_tokens=False) if templated else \
                 adapter.encode_chat([{"role": "user", "content": row["prompt"]}])
             text, steps = row["response"], row.get("step_map")
@@ -163,9 +197,9 @@ def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajec
         resp = adapter.encode_text(text)
         if steps is not None and min(steps, default=1) == 0:  # snapshot indices from 0 (Dream / LLaDA samplers)
             steps = [s + 1 for s in steps]
-        if not resp or resp[-1] != end:  # close the turn; the turn end is decoded after everything else
+        if not resp or resp[-1] != end:  # close the turn; without a step of its own the turn end decodes last
             resp.append(end)
-            if steps is not None:
+            if steps is not None and len(steps) == len(resp) - 1:
                 steps = [*steps, max(steps, default=0) + 1]
         if steps is not None and len(steps) != len(resp):
             raise DataFormatError(f"{where}: row {i}: field 'step_map': {len(steps)} steps for {len(resp)} response "
@@ -228,6 +262,9 @@ class SFTJob:
     def _check_run_dir(self) -> bool:
         exp = self.cfg.experiment
         if not exp.start_from_scratch:
+            if self.main:
+                self._recover_last()
+            barrier(self.acc)
             problem = checkpoint_problem(self.last)
             if problem is not None:
                 raise RunDirError(f"nothing to resume in {self.root}: the checkpoint {self.last} cannot be resumed "
@@ -250,6 +287,10 @@ class SFTJob:
             print(f"note: {len(too_long)} of {len(samples)} rows have prompts over training.max_prompt_len "
                   f"({t.max_prompt_len}) and are skipped: {too_long[:5]}", flush=True)
         kept = [s for s in samples if s.sample_id not in set(too_long)]
+        cut = sum(t.max_gen_length is not None and len(s.response_ids) > t.max_gen_length for s in kept)
+        if cut and self.main:  # the trainer cuts them (their turn end untrained): say so, never silently
+            print(f"note: {cut} of {len(kept)} responses are longer than training.max_gen_length "
+                  f"({t.max_gen_length}) and are cut there (the model never learns to end them)", flush=True)
         if not kept:
             raise DataFormatError(f"{d.optimization_data}: no row fits training.max_prompt_len")
         return kept
@@ -302,10 +343,27 @@ class SFTJob:
             save_checkpoint(self.trainer, tmp, {"step": step})
             if self.main:
                 write_atomic(self.root / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+                # two renames, then the old copy goes: a kill at any point leaves a complete checkpoint that
+                # resume finds (_recover_last)
+                old = self.root / "ckpt" / "last.old"
+                remove_checkpoint(old)
                 if self.last.exists():
-                    shutil.rmtree(self.last)
+                    self.last.rename(old)
                 tmp.rename(self.last)
+                remove_checkpoint(old)
         barrier(self.acc)
+
+    def _recover_last(self) -> None:
+        """Put back ``ckpt/last`` when a kill came between the renames of :meth:`_save`: the newest complete of
+        ``last.partial`` (the step being saved) and ``last.old`` (the one before) takes its place."""
+        if is_complete(self.last):
+            return
+        for name in ("last.partial", "last.old"):
+            candidate = self.root / "ckpt" / name
+            if is_complete(candidate):
+                remove_checkpoint(self.last)
+                candidate.rename(self.last)
+                return
 
     @contextmanager
     def _disk_full_as_error(self, where: Path):

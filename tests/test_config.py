@@ -253,6 +253,9 @@ def test_required_marker_in_an_override_is_refused(tmp_path):
     ("experiment.current_epoch=3", "key 'experiment.current_epoch' is 3: a run resumes from its directory's"),
     ("dataset.train_dataset=builtin:code", "key 'dataset.data_type'"),
     ("execute.memory_mb=-1", "key 'execute.memory_mb'"),
+    ("model.optimized_name=last", "key 'model.optimized_name': optimized_name 'last' must be a plain folder name"),
+    ("model.optimized_name=../elsewhere", "key 'model.optimized_name'"),
+    ("model.optimized_value_name=optimized", "key 'model.optimized_value_name'"),
 ])
 def test_bad_values_name_the_key(tmp_path, override, expect):
     assert expect in _error([f"config={_write(tmp_path, MINIMAL_RL)}", override])
@@ -326,3 +329,12 @@ def test_reference_keys_at_their_only_value_load_with_a_note(tmp_path):
     lines = notes.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"note: {path}: 'rollout.tensor_parallel_size' has no effect here")
     assert "'experiment.current_epoch' has no effect here (the reference's default 1;" in lines[1]
+
+
+def test_semi_ar_sft_of_a_full_attention_model_needs_a_block_size_at_load(tmp_path):
+    path = _write(tmp_path, "model: {pretrained_model: m, model_base: dream}\n"
+                            "dataset: {optimization_data: builtin:arithmetic}\n", "sft_job.yaml")
+    assert "key 'training.block_size': semi-ar SFT of dream" in _error([f"config={path}"], "sft")
+    assert load_config([f"config={path}", "training.block_size=32"], "sft", stream=io.StringIO())
+    assert load_config([f"config={path}", "training.method=random_masking"], "sft", stream=io.StringIO())
+    assert load_config([f"config={path}", "model.model_base=sdar"], "sft", stream=io.StringIO())  # its own blocks

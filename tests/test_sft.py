@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from data.formats import DataFormatError
 from jobs.config import load_config
 from jobs.sft import SFTJob, build_samples, read_rows, run_sft, turn_end_id
 from models.tiny import save_tiny_checkpoint
@@ -202,6 +203,54 @@ def test_resume_after_a_save_continues_like_an_uninterrupted_run(tmp_path, ckpt,
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_kill_between_the_checkpoint_renames_resumes_from_a_complete_checkpoint(tmp_path, ckpt, monkeypatch):
+    run_sft(load_config(sft_args(tmp_path / "whole", ckpt), "sft"), progress=False)
+    whole = [json.loads(x) for x in (tmp_path / "whole" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    rename = Path.rename
+    for when in ("before", "after"):  # the kill at step 4's save, around renaming last.partial into last
+        def rename_then_die(self, target, when=when):
+            step = json.loads((self / "trainer" / "loop.json").read_text())["step"] if self.is_dir() else 0
+            if self.name != "last.partial" or step != 4:
+                return rename(self, target)
+            if when == "after":
+                rename(self, target)
+            raise KeyboardInterrupt
+
+        args = sft_args(tmp_path / when, ckpt, **{"training.save_every": 2})
+        monkeypatch.setattr(Path, "rename", rename_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            run_sft(load_config(args, "sft"), progress=False)
+        monkeypatch.setattr(Path, "rename", rename)
+        left = sorted(p.name for p in (tmp_path / when / "sft" / "ckpt").iterdir())
+        assert left == (["last.old", "last.partial"] if when == "before" else ["last", "last.old"])
+        run_sft(load_config([*args, "experiment.start_from_scratch=false"], "sft"), progress=False)
+        resumed = [json.loads(x) for x in (tmp_path / when / "sft" / "metrics.jsonl").read_text().splitlines()]
+        assert [round(x["loss"], 6) for x in resumed] == [round(x["loss"], 6) for x in whole]
+        assert sorted(p.name for p in (tmp_path / when / "sft" / "ckpt").iterdir()) == ["last", "optimized"]
+
+
+def test_a_resumed_run_takes_its_optimizer_settings_from_its_config_and_says_so(tmp_path, ckpt, capsys):
+    run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 2}), "sft"), progress=False)
+    job = SFTJob(load_config(sft_args(tmp_path, ckpt, **{
+        "training.max_steps": 4, "experiment.start_from_scratch": "false", "optimizer.params.learning_rate": 1e-5,
+        "optimizer.params.weight_decay": 0.1}), "sft"), progress=False)
+    try:
+        assert job.prepare() == 2
+        group = job.trainer.optimizer.param_groups[0]
+        assert (group["lr"], group["weight_decay"]) == (pytest.approx(1e-5), 0.1)  # constant schedule
+        assert job.trainer.optimizer.state  # the moments resumed
+    finally:
+        job.close()
+    assert ("with this run's optimizer settings: learning_rate 0.003 -> 1e-05; weight_decay 0.0 -> 0.1"
+            in capsys.readouterr().out)
+
+
+def test_responses_cut_at_max_gen_length_are_reported(tmp_path, ckpt, capsys):
+    run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 1, "dataset.builtin_size": 8,
+                                                    "training.max_gen_length": 3}), "sft"), progress=False)
+    assert "note: 8 of 8 responses are longer than training.max_gen_length (3)" in capsys.readouterr().out
+
+
 def test_script_family_must_match_the_model(tmp_path, ckpt):
     proc = subprocess.run([sys.executable, "train/sft_dream.py", *sft_args(tmp_path, ckpt)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -296,7 +345,7 @@ def test_elbo_weighting_is_refused_where_nothing_is_masked_at_random():
 
 
 def test_a_datasets_folder_gives_the_same_samples_as_its_jsonl(tiny, tmp_path):
-    from datasets import Dataset
+    from datasets import Dataset, DatasetDict
 
     adapter = tiny("sdar")
     rows = [{"prompt": "What is 3+4?", "response": "7"}, {"prompt": "Name a colour.", "response": "Blue"}]
@@ -306,6 +355,58 @@ def test_a_datasets_folder_gives_the_same_samples_as_its_jsonl(tiny, tmp_path):
     from_folder = build_samples(read_rows(str(tmp_path / "folder")), adapter, "folder")
     assert [(s.prompt_ids, s.response_ids) for s in from_folder] == [(s.prompt_ids, s.response_ids)
                                                                      for s in from_file]
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:1])}).save_to_disk(
+        str(tmp_path / "splits"))  # load_dataset(...).save_to_disk(...): its train split
+    from_splits = build_samples(read_rows(str(tmp_path / "splits")), adapter, "splits")
+    assert [s.response_ids for s in from_splits] == [s.response_ids for s in from_file]
+    DatasetDict({"a": Dataset.from_list(rows), "b": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "ab"))
+    with pytest.raises(DataFormatError, match=r"splits \['a', 'b'\] has no 'train' split"):
+        read_rows(str(tmp_path / "ab"))
+
+
+@pytest.mark.parametrize("row,expect", [
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]},
+     "message 1's content must be a string or a list of {type: text, text} parts, got NoneType"),
+    ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "Hello"}]},
+     "message 0's content must be"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]},
+     "the assistant's message is empty"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+      "step_map": ["1", "2"]}, "field 'step_map': expected a list of non-negative integers"),
+    ({"prompt": "Hi", "response": "Hello", "step_map": [1.5, 2.0]}, "field 'step_map'"),
+])
+def test_malformed_rows_are_one_line_errors_naming_the_row(tmp_path, row, expect):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "ok", "response": "ok"}) + "\n" + json.dumps(row))
+    with pytest.raises(DataFormatError, match="row 1: field") as err:
+        read_rows(str(tmp_path / "d.jsonl"))
+    assert expect in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_chat_contents_as_text_parts_and_step_maps_with_or_without_the_turn_end(tiny, tmp_path):
+    adapter = tiny("sdar")
+    end, n = turn_end_id(adapter), len(adapter.encode_text("Hello there"))
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "Hello there"}]}]},
+            {"prompt": "Hi", "response": "Hello there", "step_map": [2] * n + [3]},  # the turn end recorded
+            {"prompt": "Hi", "response": "Hello there", "step_map": [2] * n}]  # the turn end left out
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    parts, with_end, without_end = build_samples(read_rows(str(tmp_path / "d.jsonl")), adapter, "d")
+    assert parts.prompt_ids == adapter.encode_chat([{"role": "user", "content": "Hi"}])
+    assert parts.response_ids == adapter.encode_text("Hello there") + [end]
+    assert with_end.step_map == without_end.step_map == [2] * n + [3]
+    assert with_end.response_ids == without_end.response_ids == parts.response_ids
+
+
+def test_a_prompt_that_mentions_a_special_token_is_still_templated(tiny):
+    adapter = tiny("sdar")
+    tok = adapter.tokenizer
+    mention = f"What does {tok.eos_token} mean?"
+    rendered = tok.decode(adapter.encode_chat("Q"))  # starts with the template's own special token
+    asked, templated = build_samples([{"prompt": mention, "response": "An end."},
+                                      {"prompt": rendered, "response": "A"}], adapter, "d")
+    assert asked.prompt_ids == adapter.encode_chat([{"role": "user", "content": mention}])
+    assert tok.eos_token_id not in asked.prompt_ids  # the mention stays text
+    assert templated.prompt_ids == tok.encode(rendered, add_special_tokens=False)
 
 
 def test_long_cot_rows_keep_their_think_tokens_and_train_every_block(tiny, tmp_path):

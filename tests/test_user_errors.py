@@ -90,6 +90,7 @@ def _cases(w: Path) -> list[tuple[str, list[str], str]]:
         ("RL key in an eval job", [f"config={DEMO}", "rollout.num_task_per_step=3"], "rollout.num_task_per_step"),
         ("multi-node without the launcher", [f"config={DEMO}", "experiment.num_node=2"], "multinode_eval.py"),
         ("negative memory", [f"config={DEMO}", "execute.memory_mb=-5"], "execute.memory_mb"),
+        ("base_dir missing", [f"config={DEMO}", f"system.base_dir={w / 'no_dir'}"], "system.base_dir"),
         # rules that need the model
         ("stop word of two tokens", [*run, "rollout.stop_token_list=[hello world]"], "rollout.stop"),
         ("dual cache on a block model", [*run, "rollout.cache=dual"], "rollout.cache"),
