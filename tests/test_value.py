@@ -190,11 +190,12 @@ def test_two_process_value_step(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "cpu_zero3_2proc.yaml"), "--main_process_port", str(_free_port()),
            str(Path(__file__).resolve()), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = sorted(out.parent.glob("r.txt.*"))
     digests = [p.read_text().split() for p in lines]
     assert len(digests) == 2 and digests[0][1] == digests[1][1] and digests[0][0] == "2"
+    assert digests[0][2:] == digests[1][2:] and digests[0][4] == "5" and int(digests[0][3]) > 0  # every sample valued
 
 
 if __name__ == "__main__":  # a ZeRO-3 value step on 2 processes; each rank writes a digest of its whole weights
@@ -218,12 +219,18 @@ if __name__ == "__main__":  # a ZeRO-3 value step on 2 processes; each rank writ
     trajs = [fake_block_trajectory(rng, f"t{i}", 5, 9, 4, 3, len(tok), adapter.mask_id) for i in range(4)]
     returns = {t.sample_id: [1.0] * len(t.response_ids) for t in trajs}
     trainer.train_step(trajs, returns)
+    # 5 samples: 2 micro-batches on rank 0, 1 on rank 1; the short rank's filler keeps ZeRO-3's forwards in step
+    more = trajs + [fake_block_trajectory(rng, "t4", 5, 9, 4, 3, len(tok), adapter.mask_id)]
+    values = trainer.token_values(more)
+    known = sum(int((~v.isnan()).sum()) for v in values.values())
+    values_digest = hashlib.sha256(b"".join(values[t.sample_id].numpy().tobytes() for t in more)).hexdigest()[:16]
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):
         digest = hashlib.sha256(b"".join(p.detach().float().numpy().tobytes()
                                          for _, p in sorted(trainer.model.named_parameters()))).hexdigest()
-    Path(f"{sys.argv[1]}.{acc.process_index}").write_text(f"{acc.num_processes} {digest}")
+    Path(f"{sys.argv[1]}.{acc.process_index}").write_text(f"{acc.num_processes} {digest} {values_digest} {known} "
+                                                          f"{len(values)}")
     leave(acc)
 
 

@@ -79,11 +79,15 @@ class ValueTrainer(Trainer):
         out: dict[str, Tensor] = {t.sample_id: torch.full((len(t.response_ids),), float("nan"))
                                   for t in trajectories}
         found = []
+        # as many forwards on every process (ZeRO-3's are collective): fillers keep the count, their values unused
+        plan = self._equalize([self.micro_batches(batch, 0, shuffle=False) for batch in batches])
         with torch.no_grad():
             self.model.eval()
-            for batch in batches:
-                for mb in self.micro_batches(batch, 0, shuffle=False):
+            for micro in plan:
+                for mb in micro:
                     v = self.values(self.model, mb).cpu()
+                    if mb.filler:
+                        continue
                     ids = [mb.sample_ids[int(i)] for i in mb.sample_index]
                     found += list(zip(ids, mb.token_index.tolist(), v.tolist(), strict=True))
         for sid, i, value in gather_objects(self.accelerator, found):
