@@ -65,9 +65,10 @@ from models.registry import family_spec, load_model, load_policy
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages, overlong_penalty
 from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
-from train.accelerator import build_accelerator, gather_objects
+from train.accelerator import gather_objects
 from train.algorithms import algorithm
 from train.policy_trainer import PolicyTrainer
+from train.trainer import accelerator_for
 from train.value_trainer import ValueTrainer, value_advantages
 
 STEP_PREFIX, PARTIAL = "step_", ".partial"
@@ -275,10 +276,7 @@ class RLJob:
 
     def _accelerator(self) -> Any:
         """An Accelerator for this launch with the training section's precision, accumulation and micro-batch."""
-        t = self.cfg.training
-        return build_accelerator(mixed_precision=t.mixed_precision,
-                                 gradient_accumulation_steps=t.gradient_accumulation_steps,
-                                 micro_batch_size=t.batch_size_lm)
+        return accelerator_for(self.cfg.training)
 
     def _value_trainer(self, resume_from: int | None) -> ValueTrainer:
         """The value model: initialised from ``model.value_base_model`` (zero head), or its checkpoint."""

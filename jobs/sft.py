@@ -46,8 +46,8 @@ from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, end_processes, is_main
 from models.registry import family_spec, load_policy
 from sample.trajectory import Trajectory
-from train.accelerator import build_accelerator
 from train.sft_trainer import SFTTrainer, sft_sample
+from train.trainer import accelerator_for
 
 if TYPE_CHECKING:
     from models.registry import Adapter
@@ -226,9 +226,7 @@ class SFTJob:
         """Run directory, model, data, trainer; returns the first optimiser step to run (0-based)."""
         cfg, t = self.cfg, self.cfg.training
         cfg.system.apply()
-        self.acc = build_accelerator(mixed_precision=t.mixed_precision,
-                                     gradient_accumulation_steps=t.gradient_accumulation_steps,
-                                     micro_batch_size=t.batch_size_lm)
+        self.acc = accelerator_for(t)
         self.main = is_main(self.acc)
         if self.main:
             self.lock = RunLock(self.root)  # released by the OS when this process ends

@@ -60,6 +60,8 @@ def test_policy_trainer_step_two_processes(tmp_path, config, kind):
     assert r["losses"][0] == pytest.approx(r["expected_loss"], rel=1e-5)
     assert r["identical_across_ranks"]  # the ranks trained on different shards and still hold the same weights
     assert r["max_update"] > 1e-4 and all(abs(x) < 1e3 for x in r["losses"])
+    if kind == "DEEPSPEED":  # the engine clips inside its step: training.max_grad_norm, not the launcher's 1.0
+        assert r["engine_clipping"] == 0.5
 
 
 @pytest.mark.slow
@@ -114,9 +116,9 @@ def main() -> None:
     from models.sdar import SDARConfig, SDARForCausalLM
     from tests.launched import assert_world_size, leave
     from tests.test_train_views import fake_block_trajectory
-    from train.accelerator import build_accelerator
     from train.policy_trainer import PolicyTrainer
     from train.settings import OptimizerParams, RLTrainingConfig
+    from train.trainer import accelerator_for
     from train.views import ModelTraits, build_view
 
     ap = argparse.ArgumentParser()
@@ -128,8 +130,8 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     cfg = RLTrainingConfig(batch_size_lm=4 if args.shared_prompts else 1, old_logp="recompute", shuffle=False,
-                           beta=0.01, max_prompt_len=8 if args.empty_rank else None)
-    accelerator = build_accelerator(gradient_accumulation_steps=1, micro_batch_size=cfg.batch_size_lm)
+                           beta=0.01, max_prompt_len=8 if args.empty_rank else None, max_grad_norm=0.5)
+    accelerator = accelerator_for(cfg)
     assert_world_size(accelerator, args.world)
     torch.manual_seed(0)
     model = SDARForCausalLM(SDARConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -174,6 +176,8 @@ def main() -> None:
               "tokens": summary[:, 1].tolist(), "losses": summary[:, 2].tolist(),
               "shared_forwards": summary[:, 3].tolist(), "expected_tokens": expected_tokens,
               "expected_loss": expected_loss,
+              "engine_clipping": trainer.model.gradient_clipping() if hasattr(trainer.model, "gradient_clipping")
+              else None,
               "seconds": time.perf_counter() - t0}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -34,6 +34,7 @@ def build_accelerator(
     log_with: Any = None,
     project_dir: str | None = None,
     micro_batch_size: int = 1,
+    max_grad_norm: float | None = None,
 ) -> Accelerator:
     """An Accelerator for the current launch (none, DDP or DeepSpeed; CUDA or CPU-only).
 
@@ -41,6 +42,8 @@ def build_accelerator(
     ("no" | "bf16" | "fp16") overrides it. bf16 works on CPU; where the CPU has no native bf16 products it becomes
     "no", with a warning (``models.layers.cpu_bf16_emulated``). ``micro_batch_size`` is the per-device batch
     DeepSpeed is told about when its config leaves ``train_micro_batch_size_per_gpu`` on "auto".
+    ``max_grad_norm`` (0: none) becomes DeepSpeed's ``gradient_clipping``: under DeepSpeed the engine clips inside
+    its step and ``Accelerator.clip_grad_norm_`` only reports the norm, so the training setting must reach it.
     """
     cpu_only = not torch.cuda.is_available()
     if cpu_only and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16" and \
@@ -63,7 +66,7 @@ def build_accelerator(
         **kwargs,
     )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        _fill_deepspeed_config(accelerator, micro_batch_size)
+        _fill_deepspeed_config(accelerator, micro_batch_size, max_grad_norm)
     return accelerator
 
 
@@ -82,11 +85,17 @@ def _skip_deepspeed_shm_comm() -> None:
         ds_torch_comm.build_shm_op = lambda: None
 
 
-def _fill_deepspeed_config(accelerator: Accelerator, micro_batch_size: int) -> None:
+def _fill_deepspeed_config(accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float | None) -> None:
     plugin = accelerator.state.deepspeed_plugin
     cfg = plugin.deepspeed_config
     if plugin.is_auto("train_micro_batch_size_per_gpu"):
         cfg["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
+    if max_grad_norm is not None:
+        launcher = cfg.get("gradient_clipping")
+        if launcher not in (None, "auto") and float(launcher) != max_grad_norm and accelerator.is_main_process:
+            print(f"note: DeepSpeed clips gradients at training.max_grad_norm={max_grad_norm:g}, not at the "
+                  f"accelerate config's gradient_clipping {launcher}", flush=True)
+        cfg["gradient_clipping"] = float(max_grad_norm)
     zero = cfg.get("zero_optimization", {})
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in cfg:

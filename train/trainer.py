@@ -93,7 +93,7 @@ class Trainer:
         opt = optimizer or OptimizerParams()
         sched = lr_scheduler or LRSchedulerConfig()
         self.traits = ModelTraits.from_adapter(adapter)
-        self.accelerator = accelerator or _default_accelerator(cfg)
+        self.accelerator = accelerator or accelerator_for(cfg)
         if cfg.enable_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         model = adapter.model
@@ -468,9 +468,11 @@ def _is_deepspeed(acc: Any) -> bool:
     return getattr(acc, "deepspeed_engine_wrapped", None) is not None
 
 
-def _default_accelerator(cfg: TrainerSettings) -> Any:
+def accelerator_for(cfg: TrainerSettings) -> Any:
+    """An Accelerator for this launch with the training settings' precision, accumulation, micro-batch and
+    gradient clipping."""
     from train.accelerator import build_accelerator
 
     return build_accelerator(mixed_precision=cfg.mixed_precision,
                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                             micro_batch_size=cfg.batch_size_lm)
+                             micro_batch_size=cfg.batch_size_lm, max_grad_norm=cfg.max_grad_norm)
