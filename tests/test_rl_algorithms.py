@@ -309,6 +309,21 @@ def test_cj_grpo_weighs_each_decoding_step_equally():
     assert weights == {0: pytest.approx([0.5]), 1: pytest.approx([0.25, 0.25])}
 
 
+
+@pytest.mark.parametrize("layout", ["packed", "per_round"])
+def test_cj_grpo_on_a_block_model_weighs_decoding_steps_not_rounds(layout):
+    # blocks of 2: block 1 decoded at steps 1, 2; block 2 at steps 3, 3; block 3 at 4, 5. TraceRL's rounds mix
+    # steps of several blocks (round 1: steps 1, 3, 4); CJ-GRPO's mean is per step: S = 5, 1/5 per step
+    t = traj([5, 6], [10, 11, 12, 13, 14, 15], [1, 2, 3, 3, 4, 5])
+    batch = build_view([t], {"a": 1.0}, ViewConfig(method="cj_grpo", layout=layout), BLOCK2)
+    by_step = {}
+    for step, w in zip(batch.steps.tolist(), batch.weights.tolist(), strict=True):
+        by_step.setdefault(step, []).append(w)
+    assert by_step == {1: pytest.approx([0.2]), 2: pytest.approx([0.2]), 3: pytest.approx([0.1, 0.1]),
+                       4: pytest.approx([0.2]), 5: pytest.approx([0.2])}
+    assert batch.counts["steps"] == 5 and batch.num_units == 2  # two TraceRL rounds
+
+
 # ---------------------------------------------------------------- every algorithm on every family
 
 FAMILIES = ("sdar", "dream", "llada", "mmada", "sdar_moe", "llada2", "llada_moe")

@@ -39,9 +39,10 @@ class ViewConfig(Seeded):
     max_gen_length: int | None = bounded(None, 1)  # response truncation (tokens)
     # padded_length: 1 / L1 per row (reference block models); row_mean: mean over the row's trained tokens
     # (reference Dream/LLaDA); token_mean: mean over all trained tokens of the batch; unit_sum: a unit's tokens
-    # summed, units averaged (wd1's sequence log-likelihood).
+    # summed, units averaged (wd1's sequence log-likelihood); step_mean: mean over the tokens of each decoding step
+    # of a sample, steps averaged (CJ-GRPO; on full attention the same as row_mean).
     # null: the algorithm's own (padded_length for TraceRL, random masking and coupled; see train/algorithms/).
-    loss_norm: Literal["padded_length", "row_mean", "token_mean", "unit_sum"] | None = None
+    loss_norm: Literal["padded_length", "row_mean", "token_mean", "unit_sum", "step_mean"] | None = None
     lower_p: float = bounded(0.1, 0.0, 1.0)  # random / coupled masking ratio range
     upper_p: float = bounded(0.9, 0.0, 1.0)
     # per_sequence: one ratio t ~ U(lower_p, upper_p) per row; per_position: the reference's draw (a ratio per

@@ -26,7 +26,10 @@ same wherever it lands:
 * ``row_mean`` (the reference's full-attention models, train/rl_dream.py and rl_llada.py): mean over the tokens of
   a unit, then mean over units;
 * ``token_mean``: mean over all trained tokens;
-* ``unit_sum``: a unit's tokens summed, units averaged (wd1's sequence log-likelihood).
+* ``unit_sum``: a unit's tokens summed, units averaged (wd1's sequence log-likelihood);
+* ``step_mean``: mean over the tokens a sample decoded at one step, then mean over (sample, step) pairs
+  (CJ-GRPO). On full attention a TraceRL unit is one step, so it equals ``row_mean``; on block models a unit is
+  the r-th round of every block, several steps at once.
 """
 
 from __future__ import annotations
@@ -204,7 +207,9 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
     group_of = {}
     sample_group = torch.tensor([group_of.setdefault(s.group_id, len(group_of)) for s in samples], dtype=torch.long)
     loss_norm = cfg.loss_norm or algorithm.loss_norm
-    weights = _weights(unit, samples, loss_norm)
+    steps = torch.cat([row.steps for row in rows]) if rows else _empty()
+    step_group = _step_groups(sample_index, steps)
+    weights = _weights(step_group if loss_norm == "step_mean" else unit, samples, loss_norm)
     num_units = int(unit.max()) + 1 if len(unit) else 0
     return TrainBatch(
         input_ids=tensors.input_ids, position_ids=tensors.position_ids, layout=tensors.layout,
@@ -214,7 +219,7 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
         labels=gather("resp"), advantages=gather("adv"), old_logprobs=gather("logp") if exact else
         torch.full((len(token_cols),), math.nan), weights=weights / level if cfg.elbo_weight else weights,
         sample_index=sample_index, token_index=resp_index,
-        steps=torch.cat([row.steps for row in rows]) if rows else _empty(), unit=unit,
+        steps=steps, unit=unit,
         sample_ids=[sample.sample_id for sample in samples], num_units=num_units,
         exact=exact, dropped=dropped, extra={"level": level, "resp_len": resp_len[sample_index],
                                              "batch_resp_len": resp_len.sum().expand(len(token_cols)).clone(),
@@ -223,9 +228,17 @@ def _finish(rows: list[Row], samples: list[Sample], dropped: list[tuple[str, str
                                              "batch_samples": torch.full((len(token_cols),), float(len(samples))),
                                              "batch_units": torch.full((len(token_cols),), float(num_units))},
         counts={"units": float(num_units), "tokens": float(len(token_cols)), "samples": float(len(samples)),
+                "steps": float(int(step_group.max()) + 1 if len(step_group) else 0),
                 "longest": float(max((len(sample.resp) for sample in samples), default=0)),
                 "resp_len": float(resp_len.sum()), "groups": float(len(group_of))},
         loss_norm=loss_norm, shared_cols=_shared_cols(rows))
+
+
+def _step_groups(sample_index: Tensor, steps: Tensor) -> Tensor:
+    """Per trained token, the index of its (sample, decoding step) pair among the batch's."""
+    if not len(steps):
+        return _empty()
+    return torch.unique(sample_index * (int(steps.max()) + 1) + steps, return_inverse=True)[1]
 
 
 def _shared_cols(rows: list[Row]) -> Tensor | None:
@@ -263,7 +276,8 @@ def _per_sample_gather(samples: list[Sample], sample_index: Tensor, resp_index: 
     return gather
 
 
-NORM_COUNTS = ("units", "tokens", "longest", "resp_len", "groups", "samples")  # TrainBatch.counts, in a fixed order
+# TrainBatch.counts, in a fixed order
+NORM_COUNTS = ("units", "tokens", "longest", "resp_len", "groups", "samples", "steps")
 
 
 def normalised_over_processes(batch: TrainBatch, totals: Mapping[str, float], world: int) -> TrainBatch:
@@ -279,6 +293,8 @@ def normalised_over_processes(batch: TrainBatch, totals: Mapping[str, float], wo
         local, whole = mine["units"] * mine["longest"], totals["units"] * totals["longest"]
     elif batch.loss_norm == "token_mean":
         local, whole = mine["tokens"], totals["tokens"]
+    elif batch.loss_norm == "step_mean":
+        local, whole = mine["steps"], totals["steps"]
     else:  # row_mean, unit_sum: per-unit means or sums, averaged over units
         local, whole = mine["units"], totals["units"]
     scale = world * local / whole if whole else 0.0
@@ -298,7 +314,7 @@ def _weights(unit: Tensor, samples: list[Sample], loss_norm: str) -> Tensor:
         return torch.full((unit.numel(),), 1.0 / (n_units * l1max))
     if loss_norm == "unit_sum":
         return torch.full((unit.numel(),), 1.0 / n_units)
-    if loss_norm == "row_mean":
+    if loss_norm in ("row_mean", "step_mean"):  # step_mean: ``unit`` numbers the (sample, step) pairs
         per_unit = torch.bincount(unit, minlength=n_units).float()
         return 1.0 / (n_units * per_unit[unit])
     return torch.full((unit.numel(),), 1.0 / unit.numel())
