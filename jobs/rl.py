@@ -39,6 +39,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.utils import DistributedType
 
 from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
@@ -64,6 +65,7 @@ from models.lora import wrapped_model
 from models.registry import family_spec, load_model, load_policy
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages, overlong_penalty
+from sample.generate import sampling_dtype
 from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
 from train.accelerator import gather_objects
 from train.algorithms import algorithm
@@ -251,7 +253,7 @@ class RLJob:
             ref = load_model(_with_path(cfg.model, cfg.model.pretrained_model), device=default_device()).model
         params = cfg.optimizer.params
         policy_params = replace_settings(params, learning_rate=params.policy_learning_rate or params.learning_rate)
-        self.trainer = PolicyTrainer(self.adapter, cfg.training, policy_params, cfg.lr_scheduler,
+        self.trainer = PolicyTrainer(self.adapter, self._training_settings(), policy_params, cfg.lr_scheduler,
                                      total_steps=self._schedule_steps(), accelerator=self.acc, ref_model=ref)
         self.value = self._value_trainer(resume_from) if cfg.model.value_base_model else None
         self.judge = None
@@ -277,6 +279,22 @@ class RLJob:
     def _accelerator(self) -> Any:
         """An Accelerator for this launch with the training section's precision, accumulation and micro-batch."""
         return accelerator_for(self.cfg.training)
+
+    def _training_settings(self) -> Any:
+        """``cfg.training``, with old log-probs recomputed where the rollouts and the training forward compute in
+        different precisions: the sampler's log-probs would differ from the trainer's by rounding, not by policy
+        change, and the first update's ratio would be that noise."""
+        t = self.cfg.training
+        weights = next(self.adapter.model.parameters()).dtype
+        sampler = sampling_dtype(self.adapter, self.cfg.rollout) or weights
+        trainer = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.acc.mixed_precision), weights)
+        if t.old_logp != "sampler" or sampler == trainer:
+            return t
+        if self.main:
+            print(f"note: rollouts compute in {str(sampler).removeprefix('torch.')} and training in "
+                  f"{str(trainer).removeprefix('torch.')}; old log-probs are recomputed (training.old_logp=recompute; "
+                  "set rollout.compute_dtype and training.mixed_precision alike to use the sampler's)", flush=True)
+        return replace_settings(t, old_logp="recompute")
 
     def _value_trainer(self, resume_from: int | None) -> ValueTrainer:
         """The value model: initialised from ``model.value_base_model`` (zero head), or its checkpoint."""

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from models.registry import Adapter
 
 __all__ = ["Rollout", "RolloutStats", "compute_precision", "encode_prompt", "generate", "make_sampler",
-           "seeded_generator"]
+           "sampling_dtype", "seeded_generator"]
 
 Prompt = Sequence[int] | str | Sequence[dict]
 
@@ -81,12 +81,19 @@ def generate(adapter: Adapter, prompts: Sequence[Prompt] | str, params: Sampling
 def compute_precision(adapter: Adapter, params: SamplingParams) -> contextlib.AbstractContextManager:
     """Autocast to ``params.compute_dtype`` on the model's device (entered before the packing, which follows it);
     nothing when it is None, or bf16 on a CPU without native bf16 products (with a warning)."""
+    dtype = sampling_dtype(adapter, params)
+    weights = next(adapter.model.parameters())
+    return contextlib.nullcontext() if dtype is None else torch.autocast(weights.device.type, dtype=dtype)
+
+
+def sampling_dtype(adapter: Adapter, params: SamplingParams) -> torch.dtype | None:
+    """The dtype sampling autocasts to, None for the weights' own (see :func:`compute_precision`)."""
     if params.compute_dtype is None:
-        return contextlib.nullcontext()
-    device = next(adapter.model.parameters()).device
-    if device.type == "cpu" and cpu_bf16_emulated(f"rollout.compute_dtype={params.compute_dtype}"):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, params.compute_dtype))
+        return None
+    if next(adapter.model.parameters()).device.type == "cpu" and \
+            cpu_bf16_emulated(f"rollout.compute_dtype={params.compute_dtype}"):
+        return None
+    return getattr(torch, params.compute_dtype)
 
 
 def make_sampler(adapter: Adapter, params: SamplingParams, stop_ids: set[int], limit: int | None,

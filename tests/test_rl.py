@@ -323,3 +323,24 @@ def test_dynamic_sampling_keeps_a_redrawn_group_without_its_unscored_sample(tmp_
     trained = {r["sample_id"]: r["meta"]["advantage"] for r in rows if r["meta"]["advantage"] is not None}
     assert sorted(trained.values()) == [-1.0] * 3 + [1.0] * 3  # z-scores of (1, 0) in each redrawn group
     assert all(sid.endswith(("-1", "-2")) for sid in trained) and m["optimizer_steps"] >= 1
+
+
+def test_rollouts_in_another_precision_than_training_recompute_the_old_log_probs(tmp_path, ckpts, monkeypatch,
+                                                                               capsys):
+    import torch
+
+    import jobs.evaluate
+    import jobs.rl
+    from jobs.rl import run_rl
+    from tests import rl_harness
+
+    monkeypatch.setattr(jobs.evaluate, "score_rollout", rl_harness.parity_score)  # rewards that differ: it trains
+    args = {"experiment.total_step": 1, "model.dtype": "float32", "training.mixed_precision": "no"}
+    same = run_rl(load_config(demo_args(tmp_path / "same", ckpts["sdar"], **args), "rl"), progress=False)[-1]
+    assert same["optimizer_steps"] >= 1 and "sampler_logp_max_abs_diff" not in same  # fp32 both ways: the sampler's log-probs are the old ones
+    # bf16 rollouts (as rollout.compute_dtype=bfloat16 gives where the CPU multiplies bf16), fp32 training
+    monkeypatch.setattr(jobs.rl, "sampling_dtype", lambda adapter, params: torch.bfloat16)
+    mixed = run_rl(load_config(demo_args(tmp_path / "mixed", ckpts["sdar"], **args), "rl"), progress=False)[-1]
+    assert "note: rollouts compute in bfloat16 and training in float32; old log-probs are recomputed" in \
+        capsys.readouterr().out
+    assert "sampler_logp_max_abs_diff" in mixed  # recomputed (and compared) before the update
