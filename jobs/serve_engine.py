@@ -219,10 +219,14 @@ class ServeEngine:
             raise RequestError(400, str(err), err.field) from None
         except TypeError as err:
             raise RequestError(400, str(err)) from None
-        if self.adapter.attention == "full" and self.limit is not None and params.max_tokens > self.limit:
-            # a full-attention group sizes its canvas and schedule by max_tokens: refuse before building one
-            raise RequestError(400, f"max_tokens {params.max_tokens} is more than the model's {self.limit} positions",
-                               "max_tokens")
+        if self.adapter.attention == "full" and self.limit is not None:
+            # a full-attention group sizes its canvas (whole blocks) by max_tokens: refuse before building one
+            block = params.block_for("full", self.adapter.block_size)
+            canvas = -(-params.max_tokens // block) * block
+            if canvas > self.limit:
+                rounded = f" (whole blocks of {block}: {canvas})" if canvas != params.max_tokens else ""
+                raise RequestError(400, f"max_tokens {params.max_tokens}{rounded} is more than the model's "
+                                        f"{self.limit} positions", "max_tokens")
         return params
 
     def submit(self, request_id: str, prompts: list[list[int]], n: int, params: SamplingParams, stops: list[str],

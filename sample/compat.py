@@ -42,7 +42,7 @@ __all__ = ["block_diffusion_generate"]
 
 def block_diffusion_generate(model: Any, prompt: Any, mask_id: int, gen_length: int = 128, block_length: int = 4,
                              denoising_steps: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                             remasking_strategy: str = "low_confidence_dynamic", confidence_threshold: float = 0.9,
+                             remasking_strategy: str = "low_confidence_dynamic", confidence_threshold: float = 0.85,
                              stopping_criteria_idx: Sequence[int] | None = None, seed: int | None = None,
                              tokenizer: Any = None) -> Tensor:
     """Prompt + generated ids as a LongTensor [B, T] on the model's device; see the module docstring."""

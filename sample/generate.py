@@ -50,6 +50,7 @@ def generate(adapter: Adapter, prompts: Sequence[Prompt] | str, params: Sampling
              progress: bool = True) -> Rollout:
     """Sample one response per prompt with any adapter (block or full attention); see sample/*_sampler.py."""
     params = params or SamplingParams()
+    params.check_for(adapter)  # settings this model cannot honour are refused, never silently ignored
     if isinstance(prompts, str):
         prompts = [prompts]
     ids = [encode_prompt(adapter, p) for p in prompts]

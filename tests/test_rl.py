@@ -337,7 +337,8 @@ def test_rollouts_in_another_precision_than_training_recompute_the_old_log_probs
     monkeypatch.setattr(jobs.evaluate, "score_rollout", rl_harness.parity_score)  # rewards that differ: it trains
     args = {"experiment.total_step": 1, "model.dtype": "float32", "training.mixed_precision": "no"}
     same = run_rl(load_config(demo_args(tmp_path / "same", ckpts["sdar"], **args), "rl"), progress=False)[-1]
-    assert same["optimizer_steps"] >= 1 and "sampler_logp_max_abs_diff" not in same  # fp32 both ways: the sampler's log-probs are the old ones
+    # fp32 both ways: the sampler's log-probs are the old ones
+    assert same["optimizer_steps"] >= 1 and "sampler_logp_max_abs_diff" not in same
     # bf16 rollouts (as rollout.compute_dtype=bfloat16 gives where the CPU multiplies bf16), fp32 training
     monkeypatch.setattr(jobs.rl, "sampling_dtype", lambda adapter, params: torch.bfloat16)
     mixed = run_rl(load_config(demo_args(tmp_path / "mixed", ckpts["sdar"], **args), "rl"), progress=False)[-1]

@@ -469,6 +469,21 @@ def test_cuda_graphs_is_refused_where_it_is_not_built_in_one_line(sdar, demo_tok
         _greedy(cuda_graphs=True).check_for(sharp_tiny("dream", demo_tokenizer))
 
 
+
+def test_generate_refuses_settings_the_model_cannot_honour(sdar, demo_tokenizer):
+    from core.schema import SettingError
+    from tests.test_sampler_utils import sharp_tiny
+
+    dream = sharp_tiny("dream", demo_tokenizer)
+    for adapter, params, field in [(dream, _greedy(editing_threshold=0.9), "editing_threshold"),
+                                   (dream, _greedy(cuda_graphs=True), "cuda_graphs"),
+                                   (sdar, _greedy(cuda_graphs=True, cache="none"), "cuda_graphs"),
+                                   (sdar, _greedy(denoising_steps=sdar.block_size + 1), "denoising_steps")]:
+        with pytest.raises(SettingError) as err:
+            generate(adapter, [[5, 6, 7]], params, progress=False)
+        assert err.value.field == field
+
+
 def test_the_fixed_capacity_cache_gives_the_growing_caches_tokens_with_token_editing(sdar):
     """Token editing (post steps after a block's last mask) on the fixed-capacity cache: the growing cache's
     tokens, step maps and rewrites, in the same number of forwards (on CUDA this path is the default)."""

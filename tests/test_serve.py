@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -326,6 +327,19 @@ def test_a_failed_admission_fails_its_request_and_the_server_goes_on(demo_tokeni
         engine.close()
 
 
+def test_a_full_attention_canvas_over_the_positions_blames_max_tokens(demo_tokenizer):
+    from jobs.serve_engine import RequestError
+    from tests.test_sampler_utils import sharp_tiny
+
+    llada = sharp_tiny("llada", demo_tokenizer, seed=2, max_position_embeddings=40)
+    engine = ServeEngine(llada, SamplingParams(max_tokens=8, temperature=0.0, block_size=32), driver_thread=False)
+    assert engine.request_params({"max_tokens": 32}).max_tokens == 32  # one block: fits
+    with pytest.raises(RequestError) as err:  # 33 tokens take two blocks of 32: 64 positions, no prompt fits
+        engine.request_params({"max_tokens": 33})
+    assert (err.value.status, err.value.param) == (400, "max_tokens")
+    assert "max_tokens 33 (whole blocks of 32: 64) is more than the model's 40 positions" in str(err.value)
+
+
 def test_full_attention_model_is_served(demo_tokenizer):
     dream = build_tiny("dream", demo_tokenizer)
     defaults = dict(max_tokens=8, temperature=0.0, block_size=4)
@@ -387,8 +401,10 @@ def test_block_diffusion_generate_matches_the_sampler(sdar):
     assert out.shape == (1, len(ids) + budget)
     assert out[0].tolist() == ids + traj.response_ids
     again = block_diffusion_generate(sdar, torch.tensor(ids), mask_id=sdar.mask_id, gen_length=10, temperature=1.0,
-                                     top_p=0.9, seed=3)
+                                     top_p=0.9, confidence_threshold=0.9, seed=3)  # the other defaults: the card's
     assert torch.equal(again, out)
+    # the reference function's default (Gen-Verse/dLLM-RL generate.py); the card passes 0.9
+    assert inspect.signature(block_diffusion_generate).parameters["confidence_threshold"].default == 0.85
 
 
 def test_serve_entry_reports_config_errors_in_one_line(capsys):
