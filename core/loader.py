@@ -7,7 +7,8 @@ The schema of a job kind is a tree of section dataclasses (see core/schema.py). 
    notice, reference keys that have no effect here (per job kind, jobs/config.py ``NO_EFFECT``);
 3. rejects unknown keys naming the file and the closest valid key, and unsupported ones with the reason;
 4. fills defaults from the dataclasses, lets a section follow another (``evaluation`` keys that are not set follow
-   ``rollout``), resolves ``${a.b}`` interpolations, coerces types (int -> float, number -> str);
+   ``rollout``), resolves ``${a.b}`` interpolations, coerces types (int -> float; a number given to a text key
+   keeps the text as written: ``project: 0123`` is "0123", not YAML's octal 83);
 5. builds the section objects, whose own checks (ranges, allowed sets, cross-field rules) run on construction.
 Every failure is a :class:`ConfigError`: one line naming the key and where it came from (file or override).
 
@@ -337,6 +338,32 @@ def read_yaml(path: str) -> dict[str, Any]:
     return typing.cast(dict, OmegaConf.to_container(raw, resolve=False))
 
 
+def number_texts(path: str) -> dict[str, str]:
+    """Dotted key -> the text of each plain scalar in the YAML file, as written (empty if it cannot be read)."""
+    try:
+        root = yaml.compose(Path(path).read_text(), Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return {}
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+            name = f"{prefix}{key.value}"
+            if isinstance(value, yaml.MappingNode):
+                walk(value, name + ".")
+            elif isinstance(value, yaml.ScalarNode) and value.style is None:
+                out[name] = value.value
+
+    walk(root, "")
+    return out
+
+
+def _wants_text(tp: Any) -> bool:
+    """A key whose type takes text but no number: a number there was meant as the text it was written as."""
+    arms = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return str in arms and not any(a in (int, float) for a in arms)
+
+
 def parse_override(item: str, path: str) -> dict[str, Any]:
     """One ``a.b=c`` override as a nested dict (value parsed as a YAML scalar)."""
     key, _, value = item.partition("=")
@@ -427,18 +454,23 @@ def _resolve(cfg: DictConfig, key: str, src: str) -> Any:
     return value
 
 
-def build(cls: type, cfg: DictConfig, sources: dict[str, str], path: str, prefix: str = "") -> Any:
-    """Instantiate section class `cls` from the merged config (values coerced; the class validates itself)."""
+def build(cls: type, cfg: DictConfig, sources: dict[str, str], path: str, prefix: str = "",
+          texts: dict[str, str] | None = None) -> Any:
+    """Instantiate section class `cls` from the merged config (values coerced; the class validates itself).
+    ``texts``: dotted key -> a number's text as written, for text keys."""
+    texts = texts or {}
     kwargs: dict[str, Any] = {}
     for name, (tp, _meta) in config_fields(cls).items():
         key = prefix + name
         src = sources.get(key, path)
         if _is_section(tp):
-            kwargs[name] = build(tp, cfg, sources, path, key + ".")
+            kwargs[name] = build(tp, cfg, sources, path, key + ".", texts)
             continue
         if OmegaConf.is_missing(OmegaConf.select(cfg, prefix[:-1]) if prefix else cfg, name):
             raise ConfigError(f"{src}: missing required key '{key}' (set it in the file or pass {key}=...)", key, src)
         value = _resolve(cfg, key, src)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key in texts and _wants_text(tp):
+            value = texts[key]
         try:
             kwargs[name] = coerce(value, tp)
         except _Mismatch as err:
@@ -466,6 +498,7 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
     layers = [_apply_renames(_normalise_reference_form(read_yaml(path)), path, notices)]
     check_tree(layers[0], schema, schema, path, unsupported, notices, no_effect)
     sources = dict.fromkeys(_leaf_keys(layers[0]), path)
+    texts = number_texts(path)
     for item in overrides:
         src = f"{path} (override {item!r})"
         raw = _normalise_reference_form(parse_override(item, path))
@@ -474,6 +507,8 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
         tree = _apply_renames(raw, src, notices)
         check_tree(tree, schema, schema, src, unsupported, notices, no_effect)
         sources.update(dict.fromkeys(_leaf_keys(tree), src))
+        *_, leaf = _leaf_keys(tree)  # an override sets one key: its value's text as typed
+        texts[leaf] = item.partition("=")[2].strip()
         layers.append(tree)
     try:
         cfg = typing.cast(DictConfig, OmegaConf.merge(defaults_tree(schema), *layers))
@@ -486,7 +521,7 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
     if OmegaConf.is_missing(cfg.experiment, "project"):
         cfg.experiment.project = Path(path).stem
     try:
-        out = build(schema, cfg, sources, path)
+        out = build(schema, cfg, sources, path, texts=texts)
     except ConfigError as err:
         raise _user_spelling(err) from None
     for line in notices:

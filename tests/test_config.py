@@ -338,3 +338,14 @@ def test_semi_ar_sft_of_a_full_attention_model_needs_a_block_size_at_load(tmp_pa
     assert load_config([f"config={path}", "training.block_size=32"], "sft", stream=io.StringIO())
     assert load_config([f"config={path}", "training.method=random_masking"], "sft", stream=io.StringIO())
     assert load_config([f"config={path}", "model.model_base=sdar"], "sft", stream=io.StringIO())  # its own blocks
+
+
+def test_a_number_given_to_a_text_key_keeps_the_text_as_written(tmp_path):
+    path = _write(tmp_path, "model: {pretrained_model: 1.10, model_base: sdar}\ndataset: {eval_dataset: MATH500}\n"
+                            "experiment:\n  project: 0755\n", "eval_job.yaml")
+    cfg = load_config([f"config={path}"], "eval", stream=io.StringIO())
+    assert (cfg.experiment.project, cfg.model.pretrained_model) == ("0755", "1.10")  # not YAML's 493 and 1.1
+    cfg = load_config([f"config={path}", "experiment.project=1_000", "dataset.eval_dataset=2e-5",
+                       "experiment.seed=0x10"], "eval", stream=io.StringIO())
+    assert (cfg.experiment.project, cfg.dataset.eval_dataset) == ("1_000", "2e-5")
+    assert cfg.experiment.seed == 16  # a number key still reads the number
