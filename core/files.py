@@ -133,18 +133,47 @@ def tree_bytes(path: Path) -> int:
 
 
 def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> Path:
-    """Write `text` to `path` through a temp file in the same folder and a rename."""
+    """Write `text` to `path` through a temp file in the same folder, on disk (fsync) before the rename; the file
+    gets the mode a plain ``open`` would give it (mkstemp's is 0600: unreadable to the rest of a team)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(text.encode("utf-8") if isinstance(text, str) else text)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (else set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` to disk: a marker written after it (a checkpoint's DONE) then never
+    outlives its data in a power loss."""
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 class StagedRun:

@@ -20,7 +20,7 @@ from typing import Any
 
 from accelerate.utils import DistributedType
 
-from core.files import RunDirError, run_dir_entries, write_atomic
+from core.files import RunDirError, fsync_tree, run_dir_entries, write_atomic
 from jobs.dist import barrier, is_main
 
 
@@ -70,11 +70,13 @@ def save_checkpoint(trainer: Any, ckpt: Path, extra: dict | None = None, acceler
     if accelerator_state:
         with _without_model_weights(acc):
             acc.save_state(str(ckpt / "trainer"))
+    barrier(acc)  # every process's files (its RNG state, its optimizer shard) are written before DONE says so
     if main:
         (ckpt / "trainer").mkdir(parents=True, exist_ok=True)
         write_atomic(ckpt / "trainer" / "loop.json", json.dumps({
             "rl_step": trainer.rl_step, "schedule": trainer.schedule.state_dict(),
             "num_processes": acc.num_processes, "distributed_type": str(acc.distributed_type), **(extra or {})}))
+        fsync_tree(ckpt)
         write_atomic(ckpt / "DONE", "")
     barrier(acc)
 

@@ -617,3 +617,17 @@ def test_safetensors_full_disk_and_unreadable_checkpoints_never_lose_the_run(tmp
     with pytest.raises(RunDirError, match=r"cannot resume .*: no checkpoint reads back \(steps 1;"):
         rl(tmp_path, model, **{"experiment.keep_checkpoints": 1, "experiment.start_from_scratch": "false"})
     assert (run / "step_1" / "rollouts.jsonl").is_file()
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path, umask, mode):
+    from core.files import write_atomic
+
+    old = os.umask(umask)
+    try:
+        out = write_atomic(tmp_path / "config.yaml", "a: 1\n")
+        (tmp_path / "plain").write_text("a: 1\n")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == mode
+    assert out.read_text() == "a: 1\n" and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
