@@ -32,7 +32,14 @@ from models.lora import LoraSettings
 from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
-from train.algorithms import advantage_refusal, default_advantage, family_refusal, rl_refusal, value_model_refusal
+from train.algorithms import (
+    advantage_refusal,
+    default_advantage,
+    family_refusal,
+    ignored_setting_refusal,
+    rl_refusal,
+    value_model_refusal,
+)
 from train.settings import (
     LRSchedulerConfig,
     OptimizerConfig,
@@ -400,6 +407,12 @@ class RLConfig(Settings):
             raise SettingError("training.method", rl_refusal(self.training.method))
         if family_refusal(self.training.method, self.model.model_base):
             raise SettingError("training.method", family_refusal(self.training.method, self.model.model_base))
+        t = self.training
+        changed = {**({"ratio_level": t.ratio_level} if t.ratio_level != "token" else {}),
+                   **({"loss_norm": t.loss_norm} if t.loss_norm is not None else {})}
+        key, refusal = ignored_setting_refusal(t.method, changed)
+        if refusal:
+            raise SettingError(f"training.{key}", refusal)
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
         if self.reward.advantage is None:

@@ -349,3 +349,15 @@ def test_a_number_given_to_a_text_key_keeps_the_text_as_written(tmp_path):
                        "experiment.seed=0x10"], "eval", stream=io.StringIO())
     assert (cfg.experiment.project, cfg.dataset.eval_dataset) == ("1_000", "2e-5")
     assert cfg.experiment.seed == 16  # a number key still reads the number
+
+
+@pytest.mark.parametrize("method,override", [("bgpo", "training.loss_norm=token_mean"),
+                                             ("espo", "training.ratio_level=sequence"),
+                                             ("wd1", "training.ratio_level=sequence")])
+def test_a_setting_the_methods_own_loss_does_not_read_is_refused(tmp_path, method, override):
+    path = _write(tmp_path, MINIMAL_RL)
+    assert f"key 'training.{override.split('.')[1].split('=')[0]}'" in _error(
+        [f"config={path}", f"training.method={method}", override])
+    load_config([f"config={path}", f"training.method={method}"], "rl", stream=io.StringIO())  # its defaults load
+    load_config([f"config={path}", "training.method=wd1", "training.loss_norm=token_mean"], "rl",
+                stream=io.StringIO())  # wd1 weighs its tokens: loss_norm applies

@@ -30,7 +30,12 @@ class Entry:
     elbo_weight: bool = False  # accepts training.elbo_weight (its rows mask at random and its loss weighs tokens)
     attention: tuple[str, ...] = ("block", "full")  # the attention kinds it serves (models/kinds.py ATTENTION_OF)
     why: str = ""  # why it refuses the other kinds
+    # training keys its own loss does not read: ratio_level (a ratio per sequence or none at all), loss_norm (it
+    # normalises by units, samples or groups itself); setting them is refused, never silently ignored
+    ignores: tuple[str, ...] = ()
 
+
+_OWN_LOSS = ("ratio_level", "loss_norm")  # a sequence-level objective normalised in its own way
 
 REGISTRY: dict[str, Entry] = {
     "tracerl": Entry("train.algorithms.tracerl", aliases=("trace_rl",), value_model=True, display="TraceRL"),
@@ -39,15 +44,16 @@ REGISTRY: dict[str, Entry] = {
     "cj_grpo": Entry("train.algorithms.cj_grpo", aliases=("cj-grpo",), display="CJ-GRPO", advantages=("dr_grpo",)),
     "diffu_grpo": Entry("train.algorithms.diffu_grpo", aliases=("d1", "diffu-grpo"), display="diffu-GRPO",
                         advantages=("dr_grpo",), elbo_weight=True),
-    "wd1": Entry("train.algorithms.wd1", advantages=("dr_grpo",)),
+    "wd1": Entry("train.algorithms.wd1", advantages=("dr_grpo",), ignores=("ratio_level",)),
     "coupled_grpo": Entry("train.algorithms.coupled_grpo", aliases=("coupled-grpo",), display="coupled-GRPO",
-                          advantages=("rloo", "dr_grpo")),
-    "spg": Entry("train.algorithms.spg", display="SPG", advantages=("dr_grpo",)),
-    "bgpo": Entry("train.algorithms.bgpo", display="BGPO"),
-    "espo": Entry("train.algorithms.espo", display="ESPO", advantages=("rloo", "dr_grpo")),
-    "vrpo": Entry("train.algorithms.vrpo", display="VRPO"),
+                          advantages=("rloo", "dr_grpo"), ignores=("ratio_level",)),
+    "spg": Entry("train.algorithms.spg", display="SPG", advantages=("dr_grpo",), ignores=_OWN_LOSS),
+    "bgpo": Entry("train.algorithms.bgpo", display="BGPO", ignores=_OWN_LOSS),
+    "espo": Entry("train.algorithms.espo", display="ESPO", advantages=("rloo", "dr_grpo"), ignores=_OWN_LOSS),
+    "vrpo": Entry("train.algorithms.vrpo", display="VRPO", ignores=_OWN_LOSS),
     "ebpo": Entry("train.algorithms.ebpo", display="EBPO", attention=("block",),
-                  why="it noises every block on its own in one block-causal forward (use espo or bgpo)"),
+                  why="it noises every block on its own in one block-causal forward (use espo or bgpo)",
+                  ignores=_OWN_LOSS),
     "semi_ar": Entry("train.algorithms.semi_ar", rl=False, elbo_weight=True),
     "ar": Entry("train.algorithms.ar", rl=False),
 }
@@ -102,6 +108,17 @@ def default_advantage(method: str) -> str:
     """The reward.advantage an algorithm uses when the config leaves it unset: its paper's, else GRPO's z-score."""
     allowed = REGISTRY[method].advantages
     return allowed[0] if allowed else "grpo"
+
+
+def ignored_setting_refusal(method: str, settings: dict[str, object]) -> tuple[str, str]:
+    """(key, one line) for the first of ``settings`` (training key -> its value when set away from the default)
+    that ``method``'s loss does not read, or ("", "")."""
+    entry = REGISTRY[method]
+    for key, value in settings.items():
+        if key in entry.ignores:
+            return key, (f"training.{key} {value!r} has no effect with training.method "
+                         f"{entry.display or method!r}: its loss does not read it (its paper's objective sets it)")
+    return "", ""
 
 
 def advantage_refusal(method: str, advantage: str) -> str:
