@@ -36,7 +36,6 @@ from models.registry import load_model
 from reward.math import score_math
 from sample.generate import generate
 from sample.params import SamplingParams
-from sample.trajectory import Trajectory
 from train.likelihood import continuation_elbo
 
 MODEL_NAME = "dllm_rl"
@@ -90,7 +89,7 @@ class DiffusionLM(LM):
             prompts = [self._left_truncated(self.context_ids(contexts[i]), room) for i in indices]
             rollout = generate(self.adapter, prompts, params, progress=not disable_tqdm)
             for i, traj in zip(indices, rollout, strict=True):
-                out[i] = cut_at(response_text(traj, self.adapter.tokenizer), until)
+                out[i] = cut_at(traj.text, until)  # the text leaves the stop token out
                 self.cache_hook.add_partial("generate_until", (contexts[i], settings[i]), out[i])
         return out
 
@@ -235,13 +234,6 @@ def base_params(sampling: dict[str, Any], seed: int) -> SamplingParams:
         return SamplingParams(**{"temperature": 0.0, "max_tokens": DEFAULT_MAX_GEN_TOKS, "seed": seed, **sampling})
     except SettingError as err:
         raise ValueError(f"{MODEL_NAME}: model_args {err.field}: {err}") from None
-
-
-def response_text(traj: Trajectory, tokenizer: Any) -> str:
-    """The response as text without its final stop token (EOS / turn end): what lm-eval expects back."""
-    if traj.finish_reason in ("eos", "stop") and traj.response_ids:
-        return tokenizer.decode(traj.response_ids[:-1], skip_special_tokens=False)
-    return traj.text
 
 
 def cut_at(text: str, until: list[str]) -> str:

@@ -187,7 +187,11 @@ def run_engine(sampler: Sampler, prompts: Seq[Seq[int]], max_active: int, tokeni
 
 
 def trajectory(done: Finished, tokenizer: Any = None) -> Trajectory:
-    text = tokenizer.decode(done.response, skip_special_tokens=False) if tokenizer is not None else ""
+    # the text leaves out the token that stopped the row (EOS, turn end, a stop id), as OpenAI's text leaves out
+    # its stop sequence: rewards read the answer, and "The answer is 1/2<|im_end|>" is not "1/2"
+    stopped = done.reason in ("eos", "stop") and bool(done.response)
+    shown = done.response[:-1] if stopped else done.response
+    text = tokenizer.decode(shown, skip_special_tokens=False) if tokenizer is not None else ""
     return Trajectory(prompt_ids=done.seq.prompt, response_ids=done.response, step_map=done.steps,
                       logprobs=done.logprobs, finish_reason=done.reason, text=text, confidences=done.confidences,
                       tail_ids=list(done.tail_ids), tail_steps=list(done.tail_steps), block_size=done.block_size,

@@ -42,7 +42,7 @@ class Trajectory:
     step_map: list[int]
     logprobs: list[float]  # [] = not recorded (an SFT sample from data): training sees NaN old log-probs
     finish_reason: str = "length"
-    text: str = ""
+    text: str = ""  # the response decoded, without the final stop token (response_ids keep it)
     confidences: list[float] = field(default_factory=list)
     tail_ids: list[int] = field(default_factory=list)
     tail_steps: list[int] = field(default_factory=list)

@@ -70,6 +70,30 @@ def test_code_scores_are_pass_fractions_per_sample():
     assert scores == [1.0, 0.0]
 
 
+@pytest.mark.parametrize("reason", ["eos", "stop", "length"])
+def test_a_response_is_scored_without_the_token_that_stopped_it(demo_tokenizer, reason):
+    from types import SimpleNamespace
+
+    from sample.engine import Finished, trajectory
+
+    tok = demo_tokenizer
+    end = tok.eos_token_id
+    math = tok.encode("So the answer is \\frac{1}{2}", add_special_tokens=False) + [end]
+    task = next(t for t in code_task(6, seed=0) if t["test_method"] == "function")
+    body = task["solution"].split("\n", 1)[1]  # the model continues the prompt's `def ...:` line, no fence
+    code = tok.encode(body, add_special_tokens=False) + [end]
+    trajs = [trajectory(Finished(SimpleNamespace(prompt=[1], index=i), ids, list(range(1, len(ids) + 1)),
+                                 [0.0] * len(ids), [], reason, 4), tok) for i, ids in enumerate((math, code))]
+    stopped = reason != "length"  # a row cut at max_tokens keeps its last token: it stopped nothing
+    assert trajs[0].text == "So the answer is \\frac{1}{2}" + ("" if stopped else tok.eos_token)
+    assert trajs[0].response_ids == math  # the ids keep it: training sees the stop token
+    for t in trajs:
+        t.task_index = 0
+    assert score_rollout([trajs[0]], [{"ground_truth_answer": "\\frac{1}{2}"}], "math") == [float(stopped)]
+    assert score_rollout([trajs[1]], [{**task, "prefix": task["solution"].split("\n", 1)[0] + "\n"}],
+                         "code") == [float(stopped)]
+
+
 def test_puzzle_rows_keep_their_verifier_beside_plain_math_rows():
     # a hand-mixed file: a countdown row answered by another right equation, and a plain arithmetic row
     from data.puzzles import countdown_task
