@@ -27,6 +27,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from core.loader import coerce
 from core.schema import SettingError, config_fields, replace
 from data.prompts import chat_ids, prompt_messages
 from jobs.config import ExperimentConfig
@@ -102,9 +103,9 @@ class DiffusionLM(LM):
         changes: dict[str, Any] = {}
         if "max_gen_toks" in gen_kwargs:
             changes["max_tokens"] = int(gen_kwargs["max_gen_toks"])
-        for key in ("temperature", "top_p", "top_k"):
+        for key, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
             if key in gen_kwargs:
-                changes[key] = type(getattr(self.params, key))(gen_kwargs[key])
+                changes[key] = kind(gen_kwargs[key])
         if gen_kwargs.get("do_sample") is False:
             changes["temperature"] = 0.0
         elif gen_kwargs.get("do_sample") is True and "temperature" not in changes and not self.params.temperature:
@@ -230,8 +231,14 @@ def base_params(sampling: dict[str, Any], seed: int) -> SamplingParams:
     unknown = set(sampling) - set(fields)
     if unknown:
         raise ValueError(f"{MODEL_NAME}: unknown model_args {sorted(unknown)}; sampler keys are {sorted(fields)}")
+    typed = {}
+    for key, value in sampling.items():  # lm-eval reads `temperature=1` as an int: each takes its field's type
+        try:
+            typed[key] = coerce(value, fields[key][0])
+        except Exception as err:  # noqa: BLE001 - the loader's type mismatch, as one line naming the key
+            raise ValueError(f"{MODEL_NAME}: model_args {key} {getattr(err, 'detail', err)}") from None
     try:
-        return SamplingParams(**{"temperature": 0.0, "max_tokens": DEFAULT_MAX_GEN_TOKS, "seed": seed, **sampling})
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": DEFAULT_MAX_GEN_TOKS, "seed": seed, **typed})
     except SettingError as err:
         raise ValueError(f"{MODEL_NAME}: model_args {err.field}: {err}") from None
 

@@ -281,3 +281,17 @@ def test_generation_defaults_follow_lm_eval(harness_lm):
     assert harness_lm._params_for({"do_sample": True, "temperature": 0.5})[0].temperature == 0.5
     assert harness_lm._params_for({"do_sample": False, "temperature": 0.5})[0].temperature == 0.0
     assert harness_lm._params_for({})[0].temperature == 0.0
+
+
+
+def test_int_model_args_keep_a_tasks_fractional_sampling_settings(harness_lm, monkeypatch):
+    from jobs.harness import base_params
+
+    # lm-eval parses `--model_args temperature=1,top_p=1` as ints; a task's 0.6 / 0.95 must not become int(0.6) = 0
+    params = base_params({"temperature": 1, "top_p": 1, "top_k": 0}, 0)
+    assert (params.temperature, params.top_p) == (1.0, 1.0) and isinstance(params.temperature, float)
+    monkeypatch.setattr(harness_lm, "params", params)
+    task = harness_lm._params_for({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": "20"})[0]
+    assert (task.temperature, task.top_p, task.top_k) == (0.6, 0.95, 20)
+    with pytest.raises(ValueError, match="model_args temperature expects a number, got 'hot'"):
+        base_params({"temperature": "hot"}, 0)
