@@ -31,7 +31,10 @@ __all__ = [
 MAX_ANSWER_CHARS = 2000  # longer "answers" are degenerate generations: never equivalent, never parsed
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 _ANSWER_IS_RE = re.compile(r"answer\s+is\s*:?\s*(.+?)\s*(?:\n|$)", re.IGNORECASE)
-_CHOICE_RE = re.compile(r"answer\s+is\s*:?\s*\**\s*\(?\s*([A-D])\b\s*\)?", re.IGNORECASE)
+# a letter after "answer is": a capital, a lowercase one in parentheses, or one that ends the clause ("the answer is
+# a bit ..." is no choice)
+_CHOICE_RE = re.compile(r"(?i:answer\s+is)\s*:?\s*\**\s*(?:\(\s*([A-Da-d])\s*\)|\(?\s*([A-D])\b\s*\)?|"
+                        r"([a-d])(?=\s*(?:[.,;:!*]|$)))")
 
 
 # ----------------------------------------------------------------------------------------------- extraction
@@ -119,7 +122,7 @@ def extract_choice(text: str | None) -> str | None:
         if letter is not None:
             return letter
     matches = _CHOICE_RE.findall(text)
-    return matches[-1].upper() if matches else None
+    return "".join(matches[-1]).upper() if matches else None
 
 
 # ---------------------------------------------------------------------------------------------- normaliser

@@ -18,8 +18,13 @@ from typing import Any
 __all__ = ["TimeoutPool"]
 
 
+START_TIMEOUT_S = 300.0  # a worker's start (a spawned interpreter importing ``fn``'s module) on a loaded machine
+
+
 def _worker_loop(fn: Callable[..., Any], conn: Connection) -> None:
-    """Apply ``fn`` to each received argument tuple until the parent closes the pipe."""
+    """Say ready (``fn`` unpickled: its module imported), then apply ``fn`` to each received argument tuple until
+    the parent closes the pipe."""
+    conn.send((True, "ready"))
     while True:
         try:
             args = conn.recv()
@@ -42,6 +47,17 @@ class _Worker:
         self.item: int | None = None
         self.started = 0.0
 
+    def wait_ready(self) -> None:
+        """Block until the worker has started: an item's timeout then counts its work, not the interpreter's start
+        (seconds for a spawned one importing sympy, more on a loaded machine)."""
+        try:
+            if self.conn.poll(START_TIMEOUT_S) and self.conn.recv() == (True, "ready"):
+                return
+        except (EOFError, OSError):
+            pass
+        self.kill()
+        raise RuntimeError(f"a pool worker did not start within {START_TIMEOUT_S:g} s (exit code {self.proc.exitcode})")
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(timeout=5)
@@ -62,8 +78,10 @@ class TimeoutPool:
 
     def _ensure_workers(self, n: int) -> None:
         self.workers = [w for w in self.workers if w.proc.is_alive()]
-        while len(self.workers) < min(n, self.n_workers):
-            self.workers.append(_Worker(self.ctx, self.fn))
+        fresh = [_Worker(self.ctx, self.fn) for _ in range(min(n, self.n_workers) - len(self.workers))]
+        for w in fresh:  # started together, waited for together
+            w.wait_ready()
+        self.workers += fresh
 
     def map(self, items: Sequence[tuple], default: Any = None) -> list[Any]:
         """Results in input order; ``default`` for items that time out, raise, or kill their worker."""
@@ -105,7 +123,9 @@ class TimeoutPool:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self.workers[self.workers.index(w)] = _Worker(self.ctx, self.fn)
+        fresh = _Worker(self.ctx, self.fn)
+        fresh.wait_ready()
+        self.workers[self.workers.index(w)] = fresh
 
     def close(self) -> None:
         """Stop all workers (idempotent)."""
