@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,10 +321,23 @@ def _from_pretrained(model_class: type, path: Path, dtype: torch.dtype, override
     if not weights:
         raise ModelLoadError(f"{path}: no weight files (*.safetensors or *.bin) in the checkpoint folder")
     try:
-        return model_class.from_pretrained(str(path), dtype=dtype, **overrides)
+        model, info = model_class.from_pretrained(str(path), dtype=dtype, output_loading_info=True, **overrides)
     except Exception as e:  # noqa: BLE001 - any failure here is a broken checkpoint folder: one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ModelLoadError(f"{path}: cannot load the weights ({type(e).__name__}: {first[:300]})") from None
+    # transformers fills a missing weight with a fresh random one and only logs it: a renamed or truncated
+    # checkpoint would train and evaluate partly random. Weights the model has no place for are dropped: said, as
+    # some checkpoints carry extra heads (multi-token prediction, vision) the text model does not use
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if missing:
+        raise ModelLoadError(f"{path}: the checkpoint does not match {model_class.__name__}: {len(missing)} missing "
+                             f"weight(s), e.g. {', '.join(missing[:3])} (renamed, truncated or another "
+                             "architecture's weights; they would be random)")
+    if unexpected:
+        print(f"note: {path}: {len(unexpected)} weight(s) of the checkpoint have no place in "
+              f"{model_class.__name__} and are not loaded, e.g. {', '.join(unexpected[:3])}", file=sys.stderr,
+              flush=True)
+    return model
 
 
 # Remote-code tokenizer classes whose files are a standard tokenizer's: Dream's DreamTokenizer is Qwen2's

@@ -216,3 +216,27 @@ def test_real_dream_tokenizer_folder_loads_with_the_qwen_ids(tmp_path):
     assert tok(text)["input_ids"] == qwen(text)["input_ids"]
     assert tok("Hello")["input_ids"] == [9707]
     assert (tok.mask_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == (151666, 151643, 151643, 151667)
+
+
+@pytest.mark.parametrize("base", ["sdar", "llada2"])
+def test_a_checkpoint_missing_weights_is_refused_and_extra_ones_are_named(tmp_path, capsys, base):
+    from safetensors.torch import load_file, save_file
+
+    from models.registry import load_model
+    from models.tiny import save_tiny_checkpoint
+
+    folder = save_tiny_checkpoint(tmp_path / base, base, build_demo_tokenizer(), size="test")
+    weights = load_file(str(folder / "model.safetensors"))
+    cfg = {"pretrained_model": str(folder), "model_base": base, "dtype": "float32"}
+    load_model(cfg)  # the whole checkpoint loads
+    assert "note:" not in capsys.readouterr().err
+    gone = sorted(k for k in weights if k.endswith("layers.0.post_attention_layernorm.weight"))
+    assert gone
+    extra = {**{k: v for k, v in weights.items() if k not in gone}, "mtp.head.weight": torch.zeros(2)}
+    save_file(extra, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=rf"1 missing weight\(s\), e\.g\. {re.escape(gone[0])}"):
+        load_model(cfg)
+    save_file({**weights, "mtp.head.weight": torch.zeros(2)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    load_model(cfg)  # an unused extra head: loaded without it, and said
+    assert "1 weight(s) of the checkpoint have no place in" in capsys.readouterr().err
