@@ -57,6 +57,17 @@ class ValueConfig(PretrainedConfig):
         return BACKBONES[model_type][0](**fields)
 
 
+UNUSED_HEAD = "transformer.ff_out."  # LLaDA / MMaDA backbones hold their LM head under the public names
+
+
+def _drop_lm_head(backbone: nn.Module) -> None:
+    """Remove an LM head the backbone holds: a value model never uses it, and a trainable parameter that gets no
+    gradient stops DDP at its second step (and an 8B model's head is 2 GB of fp32)."""
+    modules = getattr(backbone, "transformer", None)
+    if isinstance(modules, nn.ModuleDict) and "ff_out" in modules:
+        del modules["ff_out"]
+
+
 class ValueModel(PreTrainedModel):
     """Backbone (the policy's parameter names) + ``value_head``; ``forward`` returns values [B, N] in fp32."""
 
@@ -69,6 +80,7 @@ class ValueModel(PreTrainedModel):
         super().__init__(config)
         policy = config.policy_config()
         self.model = BACKBONES[policy.model_type][1](policy)
+        _drop_lm_head(self.model)
         hidden = getattr(policy, "hidden_size", None) or policy.d_model
         self.value_head = nn.Linear(hidden, 1, bias=False)
         self.post_init()
@@ -98,6 +110,7 @@ def value_model_from_policy(policy: PreTrainedModel) -> ValueModel:
     backbone = policy.backbone if hasattr(policy, "backbone") else policy.model
     with full_weights(*backbone.parameters()):  # loaded under ZeRO-3 the policy is partitioned: copy it whole
         missing, unexpected = value.model.load_state_dict(backbone.state_dict(), strict=False)
+    unexpected = [k for k in unexpected if not k.startswith(UNUSED_HEAD)]
     if missing or unexpected:
         raise ValueError(f"policy backbone does not fit the value backbone (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]})")

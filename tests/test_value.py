@@ -242,3 +242,13 @@ def test_process_rewards_on_untrained_tokens_count_on_the_last_trained_step():
     adv, ret = value_advantages([traj], {"a": [0.1, 0.2, 0.7]}, values, 1.0, 1.0)
     # gamma = lam = 1: returns are rewards to go, 0.7 moved onto step 2 (the last trained step)
     assert ret["a"] == pytest.approx([1.0, 0.9, 0.0]) and adv["a"] == pytest.approx([1.0, 0.4, 0.0])
+
+
+@pytest.mark.parametrize("base", ["llada", "sdar"])
+def test_every_value_model_parameter_gets_a_gradient(tiny, base):
+    # DDP stops at the second step on a trainable parameter without a gradient (LLaDA's backbone holds its LM head)
+    value = value_model_from_policy(tiny(base).model)
+    ids = torch.randint(0, 50, (2, 8))
+    value.value_head.weight.data.fill_(0.1)  # a zero head would give the backbone zero gradients
+    value(ids, position_ids=torch.arange(8).expand(2, 8)).sum().backward()
+    assert [n for n, p in value.named_parameters() if p.grad is None] == []
