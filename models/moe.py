@@ -19,6 +19,8 @@ Under DeepSpeed ZeRO-3 the two tensors are gathered when the ``experts`` module 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -197,12 +199,15 @@ def register_fused_experts(*names: str) -> None:
         ], overwrite=True)
 
 
-def load_balancing_loss(router_logits: Tensor, index: Tensor, num_experts: int) -> Tensor:
-    """Switch / Qwen3-MoE auxiliary loss: num_experts * sum_e (fraction of routed slots to e) * (mean prob of e)."""
-    probs = F.softmax(router_logits.float(), dim=-1)
-    routed = F.one_hot(index, num_experts).float().sum(dim=1)  # [T, E]: slots per expert per token
-    fraction = routed.mean(dim=0) / index.shape[1]
-    return num_experts * (fraction * probs.mean(dim=0)).sum()
+def load_balancing_loss(router_logits: Sequence[Tensor], top_k: int, num_experts: int) -> Tensor:
+    """Switch / Qwen3-MoE auxiliary loss as transformers' ``load_balancing_loss_func`` (which the public SDAR-MoE
+    and LLaDA-MoE modeling code calls) computes it: the tokens of every sparse layer together,
+    num_experts * sum_e (tokens sending one of their top-k slots to e, summed over the k slots, per token) *
+    (mean router probability of e). A balanced router scores top_k. Padding tokens count, as without a mask there."""
+    probs = F.softmax(torch.cat([logits.float() for logits in router_logits]), dim=-1)
+    index = torch.topk(probs, top_k, dim=-1).indices
+    routed = F.one_hot(index, num_experts).float().sum(dim=1)  # [N, E]: slots per expert per token
+    return num_experts * (routed.mean(dim=0) * probs.mean(dim=0)).sum()
 
 
 class SparseMoeBlock(nn.Module):
@@ -224,8 +229,10 @@ class SparseMoeBlock(nn.Module):
         self.last_router_logits: Tensor | None = None
 
     def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(router logits fp32, weights fp32, indices) for flattened tokens [T, H]."""
-        logits = F.linear(flat.float(), self.gate.weight.float())
+        """(router logits fp32, weights fp32, indices) for flattened tokens [T, H]. The gate runs in the model's
+        dtype and the softmax in fp32, as in Qwen3-MoE's block (SDAR-MoE's) and OLMoE's (LLaDA-MoE's): in bf16 a
+        fp32 gate picks other experts for some tokens than the public code does."""
+        logits = self.gate(flat).float()
         weights, index = softmax_topk_routing(logits, self.top_k, self.norm_topk_prob, self.expert_bias)
         return logits, weights, index
 
@@ -234,13 +241,6 @@ class SparseMoeBlock(nn.Module):
         logits, weights, index = self.route(flat)
         self.last_router_logits = logits if self.keep_router_logits else None
         return self.experts(flat, weights, index).reshape(x.shape)
-
-    def aux_loss(self) -> Tensor | None:
-        """The load-balancing loss of the last forward (None unless output_router_logits)."""
-        if self.last_router_logits is None:
-            return None
-        _, index = torch.topk(self.last_router_logits, self.top_k, dim=-1)
-        return load_balancing_loss(self.last_router_logits, index, self.num_experts)
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
@@ -259,6 +259,8 @@ class MoeBackboneMixin:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
     def router_aux_loss(self) -> Tensor | None:
-        """Mean load-balancing loss over the sparse layers of the last forward (None unless output_router_logits)."""
-        losses = [loss for loss in (b.aux_loss() for b in self.moe_blocks()) if loss is not None]
-        return sum(losses) / len(losses) if losses else None
+        """The load-balancing loss over the sparse layers of the last forward (None unless output_router_logits)."""
+        blocks = [b for b in self.moe_blocks() if b.last_router_logits is not None]
+        if not blocks:
+            return None
+        return load_balancing_loss([b.last_router_logits for b in blocks], blocks[0].top_k, blocks[0].num_experts)

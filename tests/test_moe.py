@@ -108,8 +108,20 @@ def test_experts_are_fused_in_memory_and_per_expert_on_disk(tmp_path):
 def test_load_balancing_loss_by_hand():
     # two tokens, two experts, top-1: both go to expert 0; mean probs (0.75, 0.25) -> 2 * (1 * 0.75 + 0 * 0.25)
     logits = torch.log(torch.tensor([[0.9, 0.1], [0.6, 0.4]]))
-    idx = torch.tensor([[0], [0]])
-    assert float(load_balancing_loss(logits, idx, 2)) == pytest.approx(1.5, abs=1e-6)
+    assert float(load_balancing_loss([logits], 1, 2)) == pytest.approx(1.5, abs=1e-6)
+
+
+def test_load_balancing_loss_is_transformers_over_every_layer_at_top_k():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(10, 8, generator=g) * 2 for _ in range(3)]  # 3 sparse layers, 10 tokens, 8 experts
+    ours = float(load_balancing_loss(layers, 4, 8))
+    assert ours == pytest.approx(float(load_balancing_loss_func(tuple(layers), 8, 4)), rel=1e-6)
+    # pooled over the layers, not a mean of per-layer losses; a balanced router scores top_k, not 1
+    per_layer = sum(float(load_balancing_loss([x], 4, 8)) for x in layers) / 3
+    assert abs(ours - per_layer) > 1e-3
+    assert float(load_balancing_loss([torch.zeros(8, 8)], 4, 8)) == pytest.approx(4.0)
 
 
 def test_sparse_layer_rule():
@@ -181,7 +193,12 @@ def test_router_aux_loss_only_when_asked(tiny):
     b = tiny("sdar_moe", seed=0, output_router_logits=True)
     b.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
     loss = b.model.model.router_aux_loss()
-    assert loss is not None and 1.0 <= float(loss.detach()) <= 8.0  # E * sum f_e P_e: 1 when balanced, at most E
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    blocks = b.model.model.moe_blocks()
+    expected = load_balancing_loss_func(tuple(blk.last_router_logits for blk in blocks), blocks[0].num_experts,
+                                        blocks[0].top_k)
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-6)
 
 
 def test_llada2_sigmoid_group_limited_routing_by_hand():
@@ -288,3 +305,11 @@ def test_sft_job_trains_a_checkpoint_with_expert_bias_and_keeps_the_bias(tmp_pat
     assert all(float(start[k].abs().max()) > 0 for k in bias)
     lines = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(math.isfinite(x["nll"]) for x in lines)
+
+
+def test_the_router_gate_runs_in_the_model_dtype_and_its_softmax_in_fp32(tiny):
+    block = tiny("sdar_moe", seed=0).model.model.moe_blocks()[0].to(torch.bfloat16)
+    flat = torch.randn(16, block.gate.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits, _, _ = block.route(flat)
+    expected = torch.nn.functional.linear(flat, block.gate.weight).float()  # Qwen3-MoE: gate in bf16, then fp32
+    assert logits.dtype == torch.float32 and torch.equal(logits, expected)
