@@ -240,3 +240,16 @@ def test_a_checkpoint_missing_weights_is_refused_and_extra_ones_are_named(tmp_pa
               metadata={"format": "pt"})
     load_model(cfg)  # an unused extra head: loaded without it, and said
     assert "1 weight(s) of the checkpoint have no place in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family,options", [
+    ("dream", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}), ("dream", {"use_sliding_window": True}),
+    ("sdar", {"use_sliding_window": True})])
+def test_config_options_we_do_not_implement_are_refused(family, options):
+    from models.dream.configuration_dream import DreamConfig
+    from models.sdar.configuration_sdar import SDARConfig
+
+    config_class = {"dream": DreamConfig, "sdar": SDARConfig}[family]
+    config_class(use_sliding_window=False, rope_scaling=None)  # the hub configs' inert values load
+    with pytest.raises(ValueError, match="is not supported"):
+        config_class(**options)

@@ -52,9 +52,14 @@ class DreamConfig(PretrainedConfig):
         self.qk_norm = qk_norm
         self.mask_token_id = mask_token_id
         self.attn_backend = attn_backend
+        if kwargs.get("rope_scaling"):  # the public checkpoints use none: refused rather than silently ignored
+            raise ValueError(f"Dream rope_scaling {kwargs['rope_scaling']!r} is not supported")
+        if kwargs.get("use_sliding_window"):
+            raise ValueError("Dream use_sliding_window=true is not supported (every layer attends to the whole "
+                             "context)")
         for unused in ("rope_scaling", "sliding_window", "use_sliding_window", "max_window_layers",
                        "attn_implementation"):
-            kwargs.pop(unused, None)  # hub keys we do not use (no sliding window, no rope scaling in Dream)
+            kwargs.pop(unused, None)  # the hub's inert keys (rope_scaling null, use_sliding_window false)
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @classmethod

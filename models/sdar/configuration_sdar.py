@@ -53,6 +53,9 @@ class SDARConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         if rope_scaling:  # the public checkpoints use none; refuse rather than silently ignore it
             raise ValueError(f"SDAR rope_scaling {rope_scaling!r} is not supported")
+        if kwargs.get("use_sliding_window"):  # likewise: every layer here attends to its whole context
+            raise ValueError("SDAR use_sliding_window=true is not supported (every layer attends to the whole "
+                             "context)")
         self.attention_bias = attention_bias
         self.qk_norm = qk_norm
         self.attention_dropout = attention_dropout
