@@ -17,8 +17,9 @@ from models.common import AttentionLayout, KVCache, stored_columns
 from models.layers import rope_cos_sin
 
 
-def positions_from_mask(valid: Tensor, offset: int = 0) -> Tensor:
-    """Position ids that skip padding: real tokens get 0, 1, 2, ... whatever the left padding."""
+def positions_from_mask(valid: Tensor, offset: int | Tensor = 0) -> Tensor:
+    """Position ids that skip padding: real tokens get offset, offset + 1, ... whatever the left padding (``offset``
+    an int or a [B, 1] tensor: each row's tokens already cached)."""
     pos = valid.long().cumsum(-1) - 1
     return (pos.clamp(min=0) + offset).masked_fill(~valid.bool(), 0)
 
@@ -51,10 +52,11 @@ class BackboneMixin:
         b, n = x.shape[:2]
         valid = (attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2
                  else torch.ones(b, n, dtype=torch.bool, device=x.device))
-        offset = past_key_values.length if past_key_values is not None else 0
-        if position_ids is None:
+        if position_ids is None:  # each row goes on from its real cached tokens (left padding is no position)
+            cached = past_key_values.valid if past_key_values is not None else None
+            offset = cached.sum(-1, keepdim=True).to(x.device) if cached is not None else 0
             position_ids = positions_from_mask(valid, offset) if attention_mask is not None else (
-                torch.arange(offset, offset + n, device=x.device).expand(b, n))
+                torch.arange(n, device=x.device)[None] + offset).expand(b, n)
         if layout is None:
             layout = self.default_layout(position_ids, valid)
         backend = attn_backend or getattr(self.config, "attn_backend", "sdpa")

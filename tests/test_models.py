@@ -701,3 +701,23 @@ def test_cached_forward_builds_one_grouped_mask_for_all_layers(tiny, monkeypatch
         else:
             assert masks[0] is None
         torch.testing.assert_close(out, full[:, 4:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("base", ["sdar", "llada2"])
+def test_a_left_padded_batch_through_the_model_api_with_a_cache_equals_the_uncached_forward(base, demo_tokenizer):
+    # transformers-style calls (attention_mask + past_key_values, no position ids): a row goes on from its real
+    # cached tokens, not from the cache's width with the padding
+    from models.tiny import build_tiny
+
+    a = build_tiny(base, demo_tokenizer, block_size=4)
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    padded = torch.cat([torch.full((2, 4), a.pad_id), ids], 1)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :4] = 0  # row 1 left-padded by a block; row 0 starts with 4 real tokens
+    padded[0, :4] = ids[0, :4]
+    with torch.no_grad():
+        whole = a.model(padded, attention_mask=mask).logits
+        cache = a.new_cache()
+        a.model(padded[:, :12], attention_mask=mask[:, :12], past_key_values=cache, store_kv=True)
+        rest = a.model(padded[:, 12:], attention_mask=mask[:, 12:], past_key_values=cache).logits
+    torch.testing.assert_close(rest, whole[:, 12:], atol=1e-4, rtol=1e-4)
