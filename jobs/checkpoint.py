@@ -92,38 +92,46 @@ def load_checkpoint(trainer: Any, ckpt: Path, accelerator_state: bool = True) ->
     loop = json.loads((ckpt / "trainer" / "loop.json").read_text())
     same = (loop.get("num_processes"), loop.get("distributed_type")) == (acc.num_processes,
                                                                          str(acc.distributed_type))
-    configured = _hyper_parameters(trainer.optimizer)
     if same and accelerator_state:
         with _without_model_weights(acc):
             acc.load_state(str(ckpt / "trainer"))
-        # the optimizer's moments resume; its settings are this run's config (config.yaml records them), as are
-        # the schedule's base rates: a changed setting on resume is meant, and said
-        saved = _hyper_parameters(trainer.optimizer)
-        for group, hyper in zip(trainer.optimizer.param_groups, configured, strict=True):
-            group.update(hyper)
     elif not same and is_main(acc):
         print(f"note: {ckpt} was saved by {loop.get('num_processes')} process(es) "
               f"({loop.get('distributed_type')}); resuming the weights with a fresh optimizer state", flush=True)
     trainer.rl_step = int(loop["rl_step"])
-    changed = _changed_settings(loop["schedule"].get("base_lrs"), trainer.schedule.base_lrs,
-                                saved if same and accelerator_state else configured, configured)
-    trainer.schedule.load_state_dict({**loop["schedule"], "base_lrs": trainer.schedule.base_lrs})
-    if changed and is_main(acc):
-        print(f"note: resuming {ckpt} with this run's optimizer settings: {'; '.join(changed)}", flush=True)
+    trainer.schedule.load_state_dict(loop["schedule"])
     return loop
 
 
-def _hyper_parameters(optimizer: Any) -> list[dict]:
-    """Each parameter group's settings (all but its parameters and its current, scheduled, learning rate)."""
-    return [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
+def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...]) -> None:
+    """Refuse to resume ``root`` under a config that differs from its ``config.yaml`` except in ``resumable`` keys
+    (one line naming the first key that differs): a resumed run is the run it continues, and its optimizer,
+    schedule and data state were saved for that config."""
+    import yaml
+
+    from core.loader import defaults_tree
+    from core.schema import to_dict
+
+    saved_path = root / "config.yaml"
+    if not saved_path.is_file():
+        return
+    saved, now = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(to_dict(cfg))
+    # a key newer than the run's config.yaml (added by a later version) matches when it keeps its default
+    defaults = _flatten(defaults_tree(type(cfg)))
+    saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
+    for key in sorted(set(saved) | set(now)):
+        if key not in resumable and saved.get(key) != now.get(key):
+            raise RunDirError(f"cannot resume {root}: '{key}' was {saved.get(key)!r} and is now {now.get(key)!r} "
+                              f"(only {', '.join(resumable)} may change)")
 
 
-def _changed_settings(saved_lrs: list | None, lrs: list, saved: list[dict], now: list[dict]) -> list[str]:
-    """'name saved -> now' for each optimizer setting (the base learning rate included) a resumed run changes."""
-    out = [f"learning_rate {a:g} -> {b:g}" for a, b in zip(saved_lrs or lrs, lrs) if a != b][:1]
-    for old, new in zip(saved, now):
-        out += [f"{k} {old[k]} -> {new[k]}" for k in sorted(new) if k in old and old[k] != new[k]]
-    return list(dict.fromkeys(out))
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return out
 
 
 def remove_checkpoint(ckpt: Path) -> None:

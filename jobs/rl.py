@@ -44,10 +44,10 @@ from accelerate.utils import DistributedType
 
 from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
 from core.schema import replace as replace_settings
-from core.schema import to_dict
 from data.prompts import prompt_ids
 from jobs.checkpoint import (
     check_fresh_run_dir,
+    check_resumed_config,
     checkpoint_problem,
     empty_run_dir,
     is_complete,
@@ -329,7 +329,7 @@ class RLJob:
         if not (self.root / "config.yaml").is_file():
             raise RunDirError(f"nothing to resume in {self.root}: it holds no run (start a new run with "
                               "experiment.start_from_scratch=true)")
-        self._check_same_config()
+        check_resumed_config(self.root, self.cfg, resumable_changes(self.cfg))
         last = self.run.resumable_checkpoint() if self.main else None
         last = gather_objects(self.acc, [last])[0]  # rank 0's choice (it alone verified the files)
         if last is None and self.run.checkpoints():  # never throw a run away because its checkpoints do not read
@@ -343,24 +343,6 @@ class RLJob:
             self.run.discard_after(-1 if last is None else last)
         barrier(self.acc)
         return last
-
-    def _check_same_config(self) -> None:
-        import yaml
-
-        saved_path = self.root / "config.yaml"
-        if not saved_path.is_file():
-            return
-        from core.loader import defaults_tree
-
-        saved, now = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(to_dict(self.cfg))
-        # a key newer than the run's config.yaml (added by a later version) matches when it keeps its default
-        defaults = _flatten(defaults_tree(type(self.cfg)))
-        saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
-        resumable = resumable_changes(self.cfg)
-        for key in sorted(set(saved) | set(now)):
-            if key not in resumable and saved.get(key) != now.get(key):
-                raise RunDirError(f"cannot resume {self.root}: '{key}' was {saved.get(key)!r} and is now "
-                                  f"{now.get(key)!r} (only {', '.join(resumable)} may change)")
 
     def _drawable_tasks(self) -> list[int]:
         """Dataset rows a step may draw: those whose prompt fits ``training.max_prompt_len`` (a longer prompt's
@@ -788,13 +770,6 @@ def _link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flatten(v, f"{prefix}{k}."))
-    return out
 
 
 

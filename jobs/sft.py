@@ -34,6 +34,7 @@ from data.formats import DataFormatError, read_raw_rows
 from data.prompts import prompt_ids
 from jobs.checkpoint import (
     check_fresh_run_dir,
+    check_resumed_config,
     checkpoint_problem,
     empty_run_dir,
     is_complete,
@@ -210,6 +211,11 @@ def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajec
 
 # ------------------------------------------------------------------------------------------ the job
 
+# Keys that may change when a run is resumed (the rest must match its config.yaml): how long it runs, how often it
+# saves, where it lives. Its optimizer, schedule and data order were saved for the rest.
+RESUMABLE_CHANGES = ("experiment.start_from_scratch", "experiment.overwrite", "experiment.output_dir",
+                     "experiment.project", "training.max_steps", "training.num_train_epochs", "training.save_every")
+
 
 class SFTJob:
     def __init__(self, cfg: Any, progress: bool = True):
@@ -267,6 +273,7 @@ class SFTJob:
             if problem is not None:
                 raise RunDirError(f"nothing to resume in {self.root}: the checkpoint {self.last} cannot be resumed "
                                   f"({problem})")
+            check_resumed_config(self.root, self.cfg, RESUMABLE_CHANGES)
             return True
         check_fresh_run_dir(self.root, exp.overwrite)  # emptied after the setup
         return False
