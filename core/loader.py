@@ -351,8 +351,8 @@ def number_texts(path: str) -> dict[str, str]:
             name = f"{prefix}{key.value}"
             if isinstance(value, yaml.MappingNode):
                 walk(value, name + ".")
-            elif isinstance(value, yaml.ScalarNode) and value.style is None:
-                out[name] = value.value
+            elif isinstance(value, yaml.ScalarNode) and value.style is None and "${" not in value.value:
+                out[name] = value.value  # used only where it was read as a number (never an interpolation)
 
     walk(root, "")
     return out
@@ -507,8 +507,12 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
         tree = _apply_renames(raw, src, notices)
         check_tree(tree, schema, schema, src, unsupported, notices, no_effect)
         sources.update(dict.fromkeys(_leaf_keys(tree), src))
-        *_, leaf = _leaf_keys(tree)  # an override sets one key: its value's text as typed
-        texts[leaf] = item.partition("=")[2].strip()
+        leaves = list(_leaf_keys(tree))
+        for key in leaves:  # what the file wrote for these keys no longer applies
+            texts.pop(key, None)
+        key_text, _, text = item.partition("=")
+        if len(leaves) == key_text.count(".") + 1 and "${" not in text:  # one key set to a scalar, not a mapping
+            texts[leaves[-1]] = text.strip()  # its value's text as typed
         layers.append(tree)
     try:
         cfg = typing.cast(DictConfig, OmegaConf.merge(defaults_tree(schema), *layers))

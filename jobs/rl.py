@@ -286,8 +286,10 @@ class RLJob:
         change, and the first update's ratio would be that noise."""
         t = self.cfg.training
         weights = next(self.adapter.model.parameters()).dtype
-        sampler = sampling_dtype(self.adapter, self.cfg.rollout) or weights
         trainer = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.acc.mixed_precision), weights)
+        if self.acc.distributed_type == DistributedType.DEEPSPEED:
+            weights = trainer  # DeepSpeed keeps the weights in its precision: the rollouts compute in it too
+        sampler = sampling_dtype(self.adapter, self.cfg.rollout) or weights
         if t.old_logp != "sampler" or sampler == trainer:
             return t
         if self.main:

@@ -34,7 +34,7 @@ _ANSWER_IS_RE = re.compile(r"answer\s+is\s*:?\s*(.+?)\s*(?:\n|$)", re.IGNORECASE
 # a letter after "answer is": a capital, a lowercase one in parentheses, or one that ends the clause ("the answer is
 # a bit ..." is no choice)
 _CHOICE_RE = re.compile(r"(?i:answer\s+is)\s*:?\s*\**\s*(?:\(\s*([A-Da-d])\s*\)|\(?\s*([A-D])\b\s*\)?|"
-                        r"([a-d])(?=\s*(?:[.,;:!*]|$)))")
+                        r"([a-d])(?=\s*(?:[.,;:!*)]|$)))")
 
 
 # ----------------------------------------------------------------------------------------------- extraction

@@ -79,14 +79,23 @@ class TimeoutPool:
     def _ensure_workers(self, n: int) -> None:
         self.workers = [w for w in self.workers if w.proc.is_alive()]
         fresh = [_Worker(self.ctx, self.fn) for _ in range(min(n, self.n_workers) - len(self.workers))]
-        for w in fresh:  # started together, waited for together
-            w.wait_ready()
+        try:
+            for w in fresh:  # started together, waited for together
+                w.wait_ready()
+        except BaseException:
+            for w in fresh:
+                w.kill()
+            raise
         self.workers += fresh
 
     def map(self, items: Sequence[tuple], default: Any = None) -> list[Any]:
         """Results in input order; ``default`` for items that time out, raise, or kill their worker."""
         with self.lock:
-            return self._map(list(items), default)
+            try:
+                return self._map(list(items), default)
+            except BaseException:  # a worker that would not start, an interrupt: no worker keeps a half-done item
+                self._stop_all()
+                raise
 
     def _map(self, items: list[tuple], default: Any) -> list[Any]:
         results = [default] * len(items)
@@ -126,6 +135,11 @@ class TimeoutPool:
         fresh = _Worker(self.ctx, self.fn)
         fresh.wait_ready()
         self.workers[self.workers.index(w)] = fresh
+
+    def _stop_all(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []
 
     def close(self) -> None:
         """Stop all workers (idempotent)."""

@@ -349,6 +349,12 @@ def test_a_number_given_to_a_text_key_keeps_the_text_as_written(tmp_path):
                        "experiment.seed=0x10"], "eval", stream=io.StringIO())
     assert (cfg.experiment.project, cfg.dataset.eval_dataset) == ("1_000", "2e-5")
     assert cfg.experiment.seed == 16  # a number key still reads the number
+    # a mapping override and interpolations resolve as before: the written text is only a number's
+    cfg = load_config([f"config={path}", "experiment={project: 12, seed: 3}"], "eval", stream=io.StringIO())
+    assert (cfg.experiment.project, cfg.experiment.seed) == ("12", 3)
+    cfg = load_config([f"config={path}", "experiment.seed=7", "experiment.project=${experiment.seed}"], "eval",
+                      stream=io.StringIO())
+    assert cfg.experiment.project == "7"
 
 
 @pytest.mark.parametrize("method,override", [("bgpo", "training.loss_norm=token_mean"),

@@ -67,7 +67,8 @@ def test_answer_is_fallback_is_configurable():
     ("text", "letter"),
     [(r"\boxed{B}", "B"), (r"\boxed{\text{(C)}}", "C"), (r"\boxed{(d)}", "D"), ("The answer is (A).", "A"),
      ("so the answer is: B", "B"), ("I think it is E", None), (r"\boxed{42}", None),
-     ("The answer is a bit tricky to see.", None), ("the answer is (b)", "B"), ("so the answer is c.", "C")],
+     ("The answer is a bit tricky to see.", None), ("the answer is (b)", "B"), ("so the answer is c.", "C"),
+     ("The answer is b) 12", "B")],
 )
 def test_extract_choice(text, letter):
     assert extract_choice(text) == letter
@@ -165,6 +166,31 @@ def test_pool_kills_hung_and_crashed_items_and_keeps_working():
         out = pool.map([("a",), ("hang",), ("b",), ("crash",), ("c",)], default="TIMEOUT")
         assert out == ["A", "TIMEOUT", "B", "TIMEOUT", "C"]
         assert pool.map([("d",), ("e",)], default=None) == ["D", "E"]
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_does_not_start_leaves_no_process_and_no_half_done_state(monkeypatch):
+    from reward import procpool
+
+    pool = TimeoutPool(_sleep_if_asked, workers=2, timeout_s=8.0)
+    ready = procpool._Worker.wait_ready
+    calls = []
+
+    def fails_on_the_second(self):  # the second fresh worker "does not start"
+        calls.append(self)
+        if len(calls) == 2:
+            self.kill()
+            raise RuntimeError("a pool worker did not start")
+        ready(self)
+
+    try:
+        monkeypatch.setattr(procpool._Worker, "wait_ready", fails_on_the_second)
+        with pytest.raises(RuntimeError, match="did not start"):
+            pool.map([("a",), ("b",)])
+        assert pool.workers == [] and len(calls) == 2 and not any(w.proc.is_alive() for w in calls)
+        monkeypatch.setattr(procpool._Worker, "wait_ready", ready)
+        assert pool.map([("c",), ("d",)]) == ["C", "D"]  # the next map starts afresh
     finally:
         pool.close()
 
