@@ -175,9 +175,10 @@ def test_every_sft_key_is_consumed(tmp_path, demo_tokenizer):
     common = ["config=configs/demo/sft_demo.yaml", f"experiment.output_dir={tmp_path / 'out'}",
               f"model.pretrained_model={sdar}", "dataset.builtin_size=8", "training.samples_per_step=4",
               "training.max_steps=2", f"system.base_dir={ROOT}", "dataset.builtin_difficulty=2"]
-    runs = [[*common, "experiment.project=a", "training.save_every=1", "training.random_mask_mode=per_position",
-             "training.mask_times_per_sample=2"],
-            [*common, "experiment.project=a", "experiment.start_from_scratch=false", "training.max_steps=3"],
+    first = ["training.random_mask_mode=per_position", "training.mask_times_per_sample=2"]
+    runs = [[*common, "experiment.project=a", "training.save_every=1", *first],
+            # a run resumes under its own config (jobs/checkpoint.py check_resumed_config): longer, saved more rarely
+            [*common, "experiment.project=a", "experiment.start_from_scratch=false", "training.max_steps=3", *first],
             [*common, "experiment.project=a", "experiment.overwrite=true", "training.method=trace",
              "training.shrink=2", "training.layout=per_round", "lora.enabled=true", "lora.rank=2", "lora.alpha=4",
              "lora.dropout=0.1", "lora.bias=all", "lora.target_modules=[q_proj,o_proj]", "lora.modules_to_save=[]",
