@@ -112,21 +112,20 @@ class EvalModelConfig(ModelConfig):
     adapter: str | None = None  # a LoRA adapter folder (peft format) merged into pretrained_model at load
 
 
+def _check_ckpt_name(key: str, name: str) -> None:
+    """A rolling checkpoint's folder is a plain name under ckpt/ that none of the run's own folders use."""
+    if name in RESERVED_CKPT_NAMES or name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise SettingError(key, f"{key} {name!r} must be a plain folder name under ckpt/, not one of "
+                           f"{', '.join(RESERVED_CKPT_NAMES)} (the run's own checkpoints)")
+
+
 @dataclass
 class TrainModelConfig(ModelConfig):
     optimized_name: str = "optimized"  # rolling checkpoint {output_dir}/{project}/ckpt/{optimized_name}
 
     def validate(self) -> None:
         super().validate()
-        for key in ("optimized_name", "optimized_value_name"):
-            name = getattr(self, key, None)
-            if name is not None and (name in RESERVED_CKPT_NAMES or name in ("", ".", "..") or "/" in name
-                                     or "\\" in name):
-                raise SettingError(key, f"{key} {name!r} must be a plain folder name under ckpt/, not one of "
-                                   f"{', '.join(RESERVED_CKPT_NAMES)} (the run's own checkpoints)")
-        if getattr(self, "optimized_value_name", None) == self.optimized_name:
-            raise SettingError("optimized_value_name", "optimized_value_name and optimized_name name the same "
-                               f"folder ({self.optimized_name!r}): the policy and the value model need one each")
+        _check_ckpt_name("optimized_name", self.optimized_name)
 
 
 @dataclass
@@ -137,6 +136,13 @@ class RLModelConfig(TrainModelConfig):
     # A judge LLM (a local folder, or the model name at process_reward.base_url); setting it enables the process
     # reward (math; needs value_base_model: the value model turns per-token rewards into advantages)
     process_reward_model: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        _check_ckpt_name("optimized_value_name", self.optimized_value_name)
+        if self.optimized_value_name == self.optimized_name:
+            raise SettingError("optimized_value_name", "optimized_value_name and optimized_name name the same "
+                               f"folder ({self.optimized_name!r}): the policy and the value model need one each")
 
 
 @dataclass

@@ -256,6 +256,7 @@ def test_required_marker_in_an_override_is_refused(tmp_path):
     ("model.optimized_name=last", "key 'model.optimized_name': optimized_name 'last' must be a plain folder name"),
     ("model.optimized_name=../elsewhere", "key 'model.optimized_name'"),
     ("model.optimized_value_name=optimized", "key 'model.optimized_value_name'"),
+    ("model.optimized_value_name=last.old", "key 'model.optimized_value_name': optimized_value_name 'last.old'"),
 ])
 def test_bad_values_name_the_key(tmp_path, override, expect):
     assert expect in _error([f"config={_write(tmp_path, MINIMAL_RL)}", override])
