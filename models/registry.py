@@ -187,8 +187,7 @@ def make_adapter(model: Any, tokenizer: Any, model_base: str, block_size: int | 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise ModelLoadError("tokenizer has neither a pad token nor an EOS token")
-    eos_ids = tuple(sorted({i for i in (tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None))
-                            if isinstance(i, int)}))
+    eos_ids = _eos_ids(tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None))
     turn_end = tokenizer.convert_tokens_to_ids(spec.turn_end) if spec.turn_end in tokenizer.get_vocab() else None
     stop_ids = tuple(sorted(set(eos_ids) | ({turn_end} if turn_end is not None else set())))
     bs = block_size or (getattr(model.config, "block_size", None) if spec.attention == "block" else None)
@@ -196,6 +195,14 @@ def make_adapter(model: Any, tokenizer: Any, model_base: str, block_size: int | 
                    block_size=bs, mask_id=mask_id, pad_id=pad_id, eos_ids=eos_ids, shift_logits=spec.shift_logits,
                    tokenizer=tokenizer, stop_ids=stop_ids, lora_targets=spec.lora_targets,
                    lora_parameters=spec.lora_parameters)
+
+
+def _eos_ids(*sources: Any) -> tuple[int, ...]:
+    """Every EOS id the tokenizer or the config names; a config may list several (e.g. Llama 3's three)."""
+    ids = set()
+    for source in sources:
+        ids.update(i for i in (source if isinstance(source, (list, tuple)) else [source]) if isinstance(i, int))
+    return tuple(sorted(ids))
 
 
 def _mask_id(tokenizer: Any, model: Any) -> int:

@@ -246,6 +246,19 @@ def test_tokenizer_without_mask_token(tiny, demo_tokenizer):
         make_adapter(tiny("sdar").model, tok, "sdar")
 
 
+def test_every_eos_id_a_config_lists_stops_the_sampler(tiny, demo_tokenizer):
+    model = tiny("sdar").model
+    old = model.config.eos_token_id
+    extra = demo_tokenizer.convert_tokens_to_ids("<|MASK|>") - 1  # any id the tokenizer does not call EOS
+    try:
+        model.config.eos_token_id = [demo_tokenizer.eos_token_id, extra]  # a list, as Llama 3's config has
+        adapter = make_adapter(model, demo_tokenizer, "sdar")
+    finally:
+        model.config.eos_token_id = old
+    assert adapter.eos_ids == tuple(sorted({demo_tokenizer.eos_token_id, extra}))
+    assert extra in adapter.stop_ids
+
+
 def test_kv_cache_reads_in_place_and_commits_without_copying(tiny):
     """Denoising reads the cache through a view (no per-forward copy); a store only advances the used length."""
     a = tiny("sdar", block_size=4)
