@@ -13,11 +13,11 @@ job's processes together is watched against the job's memory limit.
 from __future__ import annotations
 
 import builtins
-import collections
 import contextlib
 import ctypes
 import io
 import json
+import operator
 import os
 import platform
 import resource
@@ -27,6 +27,7 @@ import signal
 import struct
 import sys
 import time
+import types
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -617,10 +618,14 @@ def execute(code: str, probe: dict, nonce: str) -> None:
         False: (dumps({**record, "ok": False, "exc": "MemoryError"}) + "\n").encode(),
     }
     try:
-        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        # a real module: pickle (multiprocessing) finds the program's functions and classes under __main__
+        main = types.ModuleType("__main__")
+        main.__builtins__ = builtins
+        sys.modules["__main__"] = main
+        namespace = main.__dict__
         exec(compile(code, "solution.py", "exec"), namespace)
         record["phase"] = "test"
-        namespace.update(__strict_eq__=strict_eq, __strict_in__=strict_in)
+        namespace.update(__strict_compare__=strict_compare)
         if kind == "value":
             exec(compile(probe["setup"], "test", "exec"), namespace)
             record["value"] = encode_value(eval(compile(probe["expr"], "test", "eval"), namespace))
@@ -646,30 +651,60 @@ def execute(code: str, probe: dict, nonce: str) -> None:
 
 # --------------------------------------------------------------------------------- strict values (child side)
 # Captured before any program runs: a program that rebinds builtins or collections cannot change what these are.
-_type, _len, _repr, _str, _isinstance = type, len, repr, str, isinstance
-_DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)  # dict's own __eq__
+_type, _len, _repr, _isinstance, _issubclass = type, len, repr, isinstance, issubclass
 _SEQUENCES = {list: "l", tuple: "t", set: "S", frozenset: "F"}
+_SCALARS = (bool, int, float, complex, str, bytes)
+# A subclass of a builtin (a namedtuple, an IntEnum, numpy's float64) is read through the builtin's own C slots: the
+# copy holds what the object stores, and no method of the subclass (an ``__eq__`` that is always true) runs.
+_BASE_READERS = ((int, int.__index__), (float, float.__float__), (complex, complex.__complex__),
+                 (str, str.__str__), (bytes, bytes.__bytes__), (tuple, lambda v: tuple(tuple.__iter__(v))),
+                 (list, lambda v: list(list.__iter__(v))), (frozenset, lambda v: frozenset(frozenset.__iter__(v))),
+                 (set, lambda v: set(set.__iter__(v))))
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: set on every class created by Python code
+_ORDERING = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge}
 
 
 class UnsupportedValue(Exception):
-    """A value that is not made of exact builtin types (a subclass or an object with its own equality)."""
+    """A value that is not made of builtin types (an object with an equality of its own)."""
+
+
+def builtin_copy(value):
+    """``value`` when its type is an exact builtin (or a dict, whose items are read with ``dict.items``); the builtin
+    part of a subclass of one; a numpy scalar's ``item()``; else UnsupportedValue. Containers' items are not
+    converted here: the callers walk them."""
+    t = _type(value)
+    if value is None or t in _SCALARS or t in _SEQUENCES or _issubclass(t, dict):
+        return value
+    for base, read in _BASE_READERS:
+        if _issubclass(t, base):
+            return read(value)
+    # numpy's scalars are C types (not heap types, metaclass ``type``), whose attributes no program can replace
+    if _type(t) is type and not t.__flags__ & _HEAP_TYPE and t.__module__ == "numpy" and hasattr(t, "item"):
+        try:
+            out = t.item(value)
+        except Exception:  # noqa: BLE001 - e.g. an array of several elements: no single value
+            out = None
+        if _type(out) in _SCALARS:
+            return out
+    raise UnsupportedValue(f"returned a {t.__name__}, not a builtin value")
 
 
 def encode_value(value, depth: int = 0, budget: list | None = None):
-    """Tagged JSON-able form of a value made only of exact builtin types (bool, int, float, complex, str, bytes,
-    None, list, tuple, set, frozenset, dict and the stdlib dicts that keep dict's equality); anything else raises
-    UnsupportedValue: such a value could compare equal to anything."""
+    """Tagged JSON-able form of a value made of builtin types (bool, int, float, complex, str, bytes, None, list,
+    tuple, set, frozenset, dict; their subclasses and numpy's scalars as the builtin value they hold); anything else
+    raises UnsupportedValue: such a value could compare equal to anything."""
     budget = [VALUE_BUDGET] if budget is None else budget
     budget[0] -= 1
     if budget[0] < 0 or depth > 100:
         raise UnsupportedValue("the returned value is too large or too deeply nested")
+    value = builtin_copy(value)
     t = _type(value)
     if value is None:
         return ["N"]
     if t is bool:
         return ["b", value]
     if t is int:
-        text = _str(value)
+        text = int.__format__(value, "x")  # hexadecimal: no digit limit (str() refuses ints over 4,300 digits)
     elif t is float:
         text = _repr(value)
     elif t is complex:
@@ -681,11 +716,9 @@ def encode_value(value, depth: int = 0, budget: list | None = None):
         text = value.hex()
     elif t in _SEQUENCES:
         return [_SEQUENCES[t], [encode_value(v, depth + 1, budget) for v in value]]
-    elif t in _DICTS:
+    else:  # a dict
         return ["d", [[encode_value(k, depth + 1, budget), encode_value(v, depth + 1, budget)]
                       for k, v in dict.items(value)]]
-    else:
-        raise UnsupportedValue(f"returned a {t.__name__}, not a builtin value")
     budget[0] -= _len(text)
     if budget[0] < 0:
         raise UnsupportedValue("the returned value is too large")
@@ -697,14 +730,13 @@ def canonical(value, depth: int = 0):
     """A copy of ``value`` rebuilt from exact builtin types (UnsupportedValue otherwise)."""
     if depth > 100:
         raise UnsupportedValue("too deeply nested")
+    value = builtin_copy(value)
     t = _type(value)
-    if value is None or t in (bool, int, float, complex, str, bytes):
+    if value is None or t in _SCALARS:
         return value
     if t in _SEQUENCES:
         return t(canonical(v, depth + 1) for v in value)
-    if t in _DICTS:
-        return {canonical(k, depth + 1): canonical(v, depth + 1) for k, v in dict.items(value)}
-    raise UnsupportedValue(f"compared a {t.__name__}, not a builtin value")
+    return {canonical(k, depth + 1): canonical(v, depth + 1) for k, v in dict.items(value)}
 
 
 def strict_eq(a, b) -> bool:
@@ -720,6 +752,23 @@ def strict_in(a, b) -> bool:
         return canonical(a) in canonical(b)
     except (UnsupportedValue, TypeError):
         return False
+
+
+def strict_compare(operands: list, ops: tuple) -> bool:
+    """A comparison (a chain ``a < b < c`` too) decided pair by pair on builtin copies. An ordering of values that
+    are not builtin raises (the test fails), as does one of unorderable builtins (TypeError, as Python's)."""
+    for a, b, op in zip(operands, operands[1:], ops):
+        if op == "is" or op == "is not":
+            holds = (a is b) == (op == "is")
+        elif op == "eq" or op == "ne":
+            holds = strict_eq(a, b) == (op == "eq")
+        elif op == "in" or op == "not in":
+            holds = strict_in(a, b) == (op == "in")
+        else:
+            holds = _ORDERING[op](canonical(a), canonical(b))
+        if not holds:
+            return False
+    return True
 
 
 def _safe_str(exc: BaseException) -> str:

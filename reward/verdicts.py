@@ -6,15 +6,16 @@ A child process that computes ``add(1, 2) == 3`` itself can be fooled by an ``ad
 ``__eq__`` is always true, or by code that walks interpreter frames to the verdict. So for the usual test shapes the
 expected value never enters the sandbox (neither the child nor its supervisor):
 
-* ``assert <expr> == <literal>`` (either side; also ``!=``, ``is None/True/False``, ``assert <expr>``,
-  ``assert not <expr>``, ``math.isclose(<expr>, <literal>, ...)``, ``abs(<expr> - <literal>) < <literal>``), with
-  optional setup statements before the assert: the child evaluates only ``<expr>`` and returns its value through a
-  strict encoder (exact builtin types; subclasses and objects with their own ``__eq__`` are refused) and the caller
-  compares the decoded value itself.
+* ``assert <expr> == <literal>`` (either side; also ``!=``, ``<``, ``<=``, ``>``, ``>=``, ``is None/True/False``,
+  ``assert <expr>``, ``assert not <expr>``, ``math.isclose(<expr>, <literal>, ...)``, ``abs(<expr> - <literal>) <
+  <literal>`` either way round), with optional setup statements before the assert: the child evaluates only
+  ``<expr>`` and returns its value through a strict encoder (builtin types; a subclass of one, such as a namedtuple,
+  as the builtin value it holds, read without running its methods; numpy's scalars as their ``item()``; other
+  objects are refused) and the caller compares the decoded value itself.
 * stdin/stdout tests: the child gets the input; its whitespace-normalised output, cut to the expected length + 1,
   comes back and the caller compares.
-* Any other shape runs in the child with every ``==`` / ``!=`` / ``in`` / ``not in`` rewritten (``ast``) into a
-  strict comparison of encoded values (type identity before comparison).
+* Any other shape runs in the child with every comparison (chains too; ``is`` keeps its identity) rewritten
+  (``ast``) into one decided on builtin copies of its operands, so no ``__eq__`` or ``__lt__`` of the program runs.
 
 What remains possible: a program that computes the right value passes (that is solving the task); tests of the
 last kind run inside the program's process, so a program that rewrites the interpreter's internals (frames, the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +41,7 @@ class Check:
     without failing: its strict comparisons were decided in the child)."""
 
     kind: str
-    op: str = "eq"  # value: eq | ne | is | truthy | falsy | isclose | absdiff
+    op: str = "eq"  # value: eq | ne | lt | le | gt | ge | is | truthy | falsy | isclose | absdiff
     expected: Any = None
     rel_tol: float = 1e-9
     abs_tol: float = 0.0
@@ -102,11 +104,10 @@ def _value_shape(test: ast.expr) -> tuple[ast.expr, Check] | None:
         if isinstance(op, ast.Is) and lit_right and type(expected) in (type(None), bool):
             return expr, Check("value", "is", expected)
         if isinstance(op, (ast.Lt, ast.LtE)) and lit_right and _is_abs_diff(left):
-            inner = left.args[0]
-            ok, centre = _literal(inner.right)
-            if ok and _is_number(centre) and _is_number(expected):
-                return inner.left, Check("value", "absdiff", centre, abs_tol=float(expected),
-                                         strict_lt=isinstance(op, ast.Lt))
+            return _absdiff_shape(left.args[0], expected, strict_lt=isinstance(op, ast.Lt))
+        if type(op) in _ORDERINGS:  # the literal's side decides the direction: 3 < f(x) is f(x) > 3
+            name = _ORDERINGS[type(op)] if lit_right else _MIRRORED[_ORDERINGS[type(op)]]
+            return expr, Check("value", name, expected)
         return None
     if isinstance(test, ast.Call) and _is_isclose(test):
         return _isclose_shape(test)
@@ -115,6 +116,21 @@ def _value_shape(test: ast.expr) -> tuple[ast.expr, Check] | None:
     if isinstance(test, (ast.Call, ast.Subscript, ast.Attribute, ast.Name)):
         return test, Check("value", "truthy")
     return None
+
+
+_ORDERINGS = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge"}
+_MIRRORED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
+
+
+def _absdiff_shape(diff: ast.BinOp, tol: Any, strict_lt: bool) -> tuple[ast.expr, Check] | None:
+    """abs(<expr> - <literal>) or abs(<literal> - <expr>) below a literal tolerance."""
+    (lit_a, a), (lit_b, b) = _literal(diff.left), _literal(diff.right)
+    if lit_a == lit_b or not _is_number(tol):
+        return None
+    expr, centre = (diff.left, b) if lit_b else (diff.right, a)
+    if not _is_number(centre):
+        return None
+    return expr, Check("value", "absdiff", centre, abs_tol=float(tol), strict_lt=strict_lt)
 
 
 def _is_abs_diff(node: ast.expr) -> bool:
@@ -151,24 +167,22 @@ def _is_number(x: Any) -> bool:
     return type(x) in (int, float)
 
 
+_OP_NAMES = {ast.Eq: "eq", ast.NotEq: "ne", ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not",
+             **_ORDERINGS}
+
+
 class _StrictRewrite(ast.NodeTransformer):
-    """``a == b`` -> ``__strict_eq__(a, b)``, ``a in b`` -> ``__strict_in__(a, b)`` (and their negations)."""
+    """Every comparison ``a < b == c`` -> ``__strict_compare__([a, b, c], ("lt", "eq"))`` (the sandbox runner's
+    ``strict_compare``; its operands are all evaluated, where Python's chain stops at the first false link). One
+    made of ``is`` / ``is not`` only stays: identity is no method a program can override."""
 
     def visit_Compare(self, node: ast.Compare) -> ast.expr:
         self.generic_visit(node)
-        if len(node.ops) != 1:
+        if all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
             return node
-        op, helper = node.ops[0], None
-        if isinstance(op, (ast.Eq, ast.NotEq)):
-            helper = "__strict_eq__"
-        elif isinstance(op, (ast.In, ast.NotIn)):
-            helper = "__strict_in__"
-        if helper is None:
-            return node
-        call = ast.Call(ast.Name(helper, ast.Load()), [node.left, node.comparators[0]], [])
-        if isinstance(op, (ast.NotEq, ast.NotIn)):
-            return ast.copy_location(ast.UnaryOp(ast.Not(), call), node)
-        return ast.copy_location(call, node)
+        operands = ast.List([node.left, *node.comparators], ast.Load())
+        ops = ast.Tuple([ast.Constant(_OP_NAMES[type(op)]) for op in node.ops], ast.Load())
+        return ast.copy_location(ast.Call(ast.Name("__strict_compare__", ast.Load()), [operands, ops], []), node)
 
 
 # ------------------------------------------------------------------------------------------ values
@@ -185,7 +199,7 @@ def decode_value(enc: Any, depth: int = 0) -> Any:
     if tag == "b" and len(rest) == 1 and isinstance(rest[0], bool):
         return rest[0]
     if tag == "i" and len(rest) == 1 and isinstance(rest[0], str):
-        return int(rest[0])
+        return int(rest[0], 16)
     if tag == "f" and len(rest) == 1 and isinstance(rest[0], str):
         return float(rest[0])
     if tag == "c" and len(rest) == 2:
@@ -232,6 +246,11 @@ def _compare(check: Check, value: Any) -> bool:
         return bool(value)
     if op == "falsy":
         return not value
+    if op in _MIRRORED:
+        try:
+            return bool(_ORDERING_FUNCS[op](value, expected))
+        except TypeError:  # unorderable (3 < "a"): the test fails, as it does in Python
+            return False
     if not _is_number(value):
         return False
     if op == "isclose":
@@ -240,6 +259,12 @@ def _compare(check: Check, value: Any) -> bool:
     return diff < check.abs_tol if check.strict_lt else diff <= check.abs_tol
 
 
+_ORDERING_FUNCS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge}
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int over the 4,300 digits str() writes
+        return f"an int of {value.bit_length()} bits"
     return text if len(text) <= 200 else text[:197] + "..."

@@ -352,6 +352,21 @@ def test_subclasses_of_builtins_with_their_own_equality_pass_nothing():
     assert bad.pass_fraction == 0.0 and bad.reason == "wrong_answer"
 
 
+LIAR = ("class Liar:\n    def __lt__(self, other):\n        return True\n"
+        "    __le__ = __gt__ = __ge__ = __eq__ = __lt__\n"
+        "    def __abs__(self):\n        return self\n    __sub__ = __rsub__ = lambda self, other: self\n"
+        "    __hash__ = object.__hash__\ndef f(*args):\n    return Liar()\n")
+
+
+@pytest.mark.parametrize("test", ["assert f(1) > 100", "assert f(1) >= 7", "assert 7 <= f(1)",
+                                  "assert abs(3.5 - f(1)) < 1e-6", "assert abs(f(1) - 3.5) < 1e-6",
+                                  "assert 0 < f(1) < 10", "assert f(1) == 5 == 5", "assert f(1) <= -5 and f(2) == 3",
+                                  "assert abs(f(1) - f(2)) < 1e-6"])
+def test_an_object_ordered_before_everything_passes_nothing(test):
+    bad = run_then_good(fn_job(LIAR, [test]))
+    assert bad.pass_fraction == 0.0, bad.tests[0]
+
+
 def test_walking_frames_and_objects_finds_no_answer_to_forge():
     """The program searches its frames and every object of its process for the expected answer (and the nonce) and
     writes a forged success record with what it found: the answer never entered the process."""
@@ -467,10 +482,27 @@ def test_keyrings_and_new_namespaces_are_refused():
       "for k in range(3):\n    assert Solution().twice(k) == 2 * k"]),
     ("def f(n):\n    return 2 ** n\n", ["assert f(200) == " + str(2 ** 200)]),
     ("def f(b):\n    return b[::-1]\n", ["assert f(b'ab') == b'ba'", "assert f('x') in ['x', 'y']"]),
+    ("def f(n):\n    return 10 ** n\n", ["assert f(5000) == 10 ** 5000", "assert f(5000)", "assert f(5000) > 0"]),
+    ("def f(x):\n    return x + 1\n", ["assert f(1) > 1", "assert 0 < f(1) < 3", "assert f(1) == 2 == 2",
+                                     "assert [f(k) for k in range(3)] > [0]"]),
+    ("import collections, enum\nP = collections.namedtuple('P', 'x y')\nclass E(enum.IntEnum):\n    A = 1\n"
+     "def f():\n    return P(1, 2)\ndef g():\n    return E.A\n",
+     ["assert f() == (1, 2)", "assert g() == 1", "assert [g()] == [1]"]),
+    ("import pickle\ndef sq(x):\n    return x * x\nclass A:\n    pass\n"
+     "def f():\n    return pickle.loads(pickle.dumps(sq))(3), type(pickle.loads(pickle.dumps(A()))).__name__\n",
+     ["assert f() == (9, 'A')"]),  # a real __main__ module: pickle (multiprocessing) finds the program's names
 ])
 def test_plain_answers_still_pass(code, tests):
     res = run_program(fn_job("import math\n" + code, tests), CFG)
     assert res.all_passed, res.tests
+
+
+def test_numpy_results_count_as_their_values():
+    pytest.importorskip("numpy")
+    code = "import numpy as np\ndef f(xs):\n    return np.sum(xs)\ndef g(xs):\n    return np.mean(xs)\n"
+    res = run_program(fn_job(code, ["assert f([1, 2]) == 3", "assert g([1, 2]) == 1.5", "assert f([1]) > 0",
+                                    "assert f([1, 2]) == 4"], time_limit=10), CFG)
+    assert [t.passed for t in res.tests] == [True, True, True, False], res.tests
 
 
 @needs_minimal_root
