@@ -108,8 +108,8 @@ def extract_answer(text: str | None, fallback: str | None = "answer_is") -> str 
 def _choice_letter(s: str) -> str | None:
     """A-D from strings like ``B``, ``(B)``, ``\\text{(B)}``, ``B. 42``."""
     s = re.sub(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}", r"\1", s).strip().strip("$* ")
-    m = re.match(r"^\(?\s*([A-Da-d])\s*\)?(?:$|[.:)\s])", s)
-    return m.group(1).upper() if m else None
+    m = re.match(r"^\(?\s*([A-D])\s*\)?(?:$|[.:)\s])", s) or re.match(r"^\(?\s*([a-d])\s*\)?(?:$|[.:)])", s)
+    return m.group(1).upper() if m else None  # a lowercase letter before a space is a variable: "a = 5"
 
 
 def extract_choice(text: str | None) -> str | None:

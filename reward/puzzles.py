@@ -1,7 +1,8 @@
 """Rewards of the built-in puzzles (data/puzzles.py): any correct answer scores 1, not only the reference one.
 
 * Countdown: the answer (``\\boxed{}``, or after "the answer is") is an expression of integers, ``+ - * /`` and
-  brackets (an ``= target`` tail is allowed) that uses exactly the task's numbers, each once, and equals the target
+  brackets (``= target`` on either side allowed; LaTeX's ``\\times``, ``\\cdot``, ``\\div``, ``\\left(`` and ``$``
+  read as plain arithmetic) that uses exactly the task's numbers, each once, and equals the target
   in exact rational arithmetic (d1's check, arXiv 2504.12216).
 * Sudoku 4x4: the answer's digits form a complete valid grid that keeps every given of the puzzle.
 Parsing never evaluates code: the expression is walked as a Python AST restricted to those nodes. The checks are
@@ -34,13 +35,26 @@ def countdown_correct(text: str, numbers: list[int], target: int) -> bool:
     answer = extract_answer(text)
     if answer is None or len(answer) > MAX_EXPRESSION_CHARS:
         return False
-    expr = answer.replace("\\times", "*").replace("×", "*").replace("\\div", "/").replace("÷", "/")
-    expr = expr.split("=")[0].strip()
+    # "= target" on either side: the side that is not just the target is the expression
+    sides = [side.strip() for side in _plain_expression(answer).split("=")]
+    if len(sides) > 1 and sides[0] == str(target):
+        sides = sides[1:]
     try:
-        value, used = _value_and_numbers(ast.parse(expr, mode="eval").body)
+        value, used = _value_and_numbers(ast.parse(sides[0], mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError):
         return False
     return sorted(used) == sorted(numbers) and value == target
+
+
+def _plain_expression(answer: str) -> str:
+    """The answer's LaTeX written as plain arithmetic: \\times, \\cdot, × -> *; \\div, ÷ -> /; \\left( -> (; no
+    $ or spacing commands; LaTeX groups {} as brackets."""
+    expr = answer
+    for latex, plain in (("\\times", "*"), ("\\cdot", "*"), ("×", "*"), ("·", "*"), ("\\div", "/"), ("÷", "/"),
+                         ("\\left", ""), ("\\right", ""), ("\\,", " "), ("\\;", " "), ("\\!", ""), ("$", ""),
+                         ("{", "("), ("}", ")")):
+        expr = expr.replace(latex, plain)
+    return expr
 
 
 def _grid_valid(grid: list[int]) -> bool:

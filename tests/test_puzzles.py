@@ -30,6 +30,10 @@ def test_countdown_accepts_any_correct_equation_and_nothing_else():
     assert countdown_correct(boxed("5 * 2 + 3 = 13"), numbers, target)  # an "= target" tail
     assert countdown_correct(boxed("(2 \\times 5) + 3"), numbers, target)
     assert countdown_correct("the answer is 2 * 5 + 3", numbers, target)
+    for latex in ("3 + 5 \\cdot 2", "\\left(2 \\times 5\\right) + 3", "$3 + 5 * 2$", "13 = 3 + {5 * 2}",
+                  "3 + 5 × 2"):  # LaTeX forms, and the target on the left
+        assert countdown_correct(boxed(latex), numbers, target), latex
+    assert not countdown_correct(boxed("13 = 13"), numbers, target)
     assert not countdown_correct(boxed("3 + 5 + 2"), numbers, target)  # 10
     assert not countdown_correct(boxed("5 * 2 + 3 + 0"), numbers, target)  # a number that is not given
     assert not countdown_correct(boxed("5 * 3 - 2"), [3, 5, 2, 2], target)  # a number left out

@@ -68,7 +68,7 @@ def test_answer_is_fallback_is_configurable():
     [(r"\boxed{B}", "B"), (r"\boxed{\text{(C)}}", "C"), (r"\boxed{(d)}", "D"), ("The answer is (A).", "A"),
      ("so the answer is: B", "B"), ("I think it is E", None), (r"\boxed{42}", None),
      ("The answer is a bit tricky to see.", None), ("the answer is (b)", "B"), ("so the answer is c.", "C"),
-     ("The answer is b) 12", "B")],
+     ("The answer is b) 12", "B"), (r"\boxed{a = 5}", None), (r"\boxed{b. 42}", "B"), (r"\boxed{A is 4}", "A")],
 )
 def test_extract_choice(text, letter):
     assert extract_choice(text) == letter
