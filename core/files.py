@@ -190,8 +190,14 @@ class StagedRun:
         if self.final.exists() and not self.final.is_dir():
             raise RunDirError(f"output path {self.final} exists and is not a directory")
         self.lock = RunLock(self.partial)  # held in the partial folder, which becomes the run
-        if run_dir_entries(self.final) and not overwrite:
+        # and in the folder it replaces, if any: an RL or SFT run writes there (and holds it) while it lives
+        try:
+            self.final_lock = RunLock(self.final) if self.final.is_dir() else None
+        except RunDirError:
             self.lock.release()
+            raise
+        if run_dir_entries(self.final) and not overwrite:
+            self.release()
             raise RunDirError(f"output directory {self.final} is not empty (a previous run); pass "
                               "experiment.overwrite=true to replace it, or choose another experiment.project / "
                               "experiment.output_dir")
@@ -209,11 +215,16 @@ class StagedRun:
         if self.final.exists():
             shutil.rmtree(self.final)
         os.replace(self.partial, self.final)
-        self.lock.release()
+        self.release()
         return self.final
 
     def abandon(self, reason: str) -> Path:
         """Mark the partial run as interrupted; returns its folder."""
         write_atomic(self.partial / INTERRUPTED_MARK, reason + "\n")
-        self.lock.release()
+        self.release()
         return self.partial
+
+    def release(self) -> None:
+        self.lock.release()
+        if self.final_lock is not None:
+            self.final_lock.release()

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import types
 import typing
 from collections.abc import Iterator
@@ -137,10 +138,18 @@ class Settings:
     Subclasses that need cross-field checks override ``validate`` (and call ``super().validate()``).
     """
 
+    # fields holding a file system path: a leading ~ is the user's home, as a shell would have it (YAML files and
+    # quoted overrides reach us unexpanded)
+    PATH_FIELDS: tuple[str, ...] = ()
+
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
+        for name in self.PATH_FIELDS:
+            value = object.__getattribute__(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                object.__setattr__(self, name, os.path.expanduser(value))
         check_fields(self)
 
     def __getattribute__(self, name: str) -> Any:

@@ -66,6 +66,8 @@ DEMO_MODEL_DIRS = ("runs/demo/tiny_sdar", "runs/demo/tiny_dream", "runs/demo/tin
 class ExperimentConfig(Settings):
     """Job identity and output location."""
 
+    PATH_FIELDS = ("output_dir",)
+
     project: str = required()  # default: the config file's stem; outputs go to {output_dir}/{project}/
     output_dir: str = "runs"
     seed: int = 10086  # task selection and sampling seed (the reference leaves rollouts unseeded)
@@ -74,6 +76,13 @@ class ExperimentConfig(Settings):
     # accelerate_configs/{deepspeed_file}.yaml: the script relaunches itself under accelerate with it (multinode_*.py
     # use it on every node); null = one process (multinode_*.py: ZeRO-3 for num_node nodes)
     deepspeed_file: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        parts = self.project.replace("\\", "/").split("/")
+        if self.project.startswith(("/", "~")) or any(part in ("", ".", "..") for part in parts):
+            raise SettingError("project", f"project {self.project!r} must name a folder inside output_dir "
+                               "(no empty, '.' or '..' part, not absolute): an overwrite would empty what it names")
 
 
 @dataclass
@@ -97,6 +106,8 @@ RESERVED_CKPT_NAMES = ("last", "last.partial", "last.old")
 class ModelConfig(Settings):
     """Which checkpoint to load and how."""
 
+    PATH_FIELDS = ("pretrained_model", "tokenizer")
+
     pretrained_model: str = required()  # a local checkpoint folder (nothing is downloaded at run time)
     model_base: ModelBase = required()  # selects the adapter in models/
     attn_backend: Literal["sdpa", "flex", "flash"] = "sdpa"
@@ -109,6 +120,7 @@ class ModelConfig(Settings):
 
 @dataclass
 class EvalModelConfig(ModelConfig):
+    PATH_FIELDS = (*ModelConfig.PATH_FIELDS, "adapter")
     adapter: str | None = None  # a LoRA adapter folder (peft format) merged into pretrained_model at load
 
 
@@ -130,6 +142,7 @@ class TrainModelConfig(ModelConfig):
 
 @dataclass
 class RLModelConfig(TrainModelConfig):
+    PATH_FIELDS = (*ModelConfig.PATH_FIELDS, "value_base_model")
     # A policy checkpoint to initialise a value model from (zero head); setting it enables value-guided TraceRL.
     value_base_model: str | None = None
     optimized_value_name: str = "optimized_value"  # {output_dir}/{project}/ckpt/{optimized_value_name}
@@ -147,6 +160,8 @@ class RLModelConfig(TrainModelConfig):
 
 @dataclass
 class EvalDatasetConfig(Settings):
+    PATH_FIELDS = ("eval_dataset",)
+
     eval_dataset: str = required()  # data/{name}.json, a .json/.jsonl path, or a built-in (data/builtin.py)
     data_type: DataType = "math"
     builtin_size: int | None = bounded(None, 1)  # tasks drawn from a built-in dataset (null: 64)
@@ -154,6 +169,8 @@ class EvalDatasetConfig(Settings):
 
 @dataclass
 class RLDatasetConfig(Settings):
+    PATH_FIELDS = ("train_dataset",)
+
     train_dataset: str = required()
     data_type: DataType = "math"
     builtin_size: int | None = bounded(None, 1)  # tasks drawn from a built-in dataset (null: 64)
@@ -261,6 +278,7 @@ class EvalRollout(JobRollout):
 class EvaluationConfig(EvalRollout):
     """In-loop evaluation of RL jobs; keys not set here follow ``rollout``."""
 
+    PATH_FIELDS = ("eval_dataset",)
     eval_dataset: str = "builtin:arithmetic"
     data_type: DataType = "math"
     builtin_size: int | None = bounded(None, 1)  # built-in tasks drawn (null: 64), with seed experiment.seed + 1
@@ -299,6 +317,7 @@ class RewardConfig(Settings):
 class TensorboardConfig(Settings):
     """Optional TensorBoard event files with the step metrics (needs tensorboardX or tensorboard)."""
 
+    PATH_FIELDS = ("log_dir",)
     enabled: bool = False
     log_dir: str | None = None  # default: {output_dir}/{project}/tensorboard
 
@@ -316,6 +335,7 @@ class WandbConfig(Settings):
 class SystemConfig(Settings):
     """Process environment applied at start (cluster settings)."""
 
+    PATH_FIELDS = ("base_dir", "HF_HOME")
     base_dir: str | None = None  # working directory (shared by all nodes); null = the current directory
     HTTP_PROXY: str | None = None
     HF_HOME: str | None = None
@@ -443,6 +463,7 @@ class SFTExperimentConfig(ExperimentConfig):
 class SFTDatasetConfig(Settings):
     """SFT data: data/{name}.json|.jsonl, a path, a datasets folder, or builtin:arithmetic."""
 
+    PATH_FIELDS = ("optimization_data",)
     optimization_data: str = required()
     builtin_size: int = bounded(2000, 1)  # rows of a built-in dataset
     builtin_difficulty: int = bounded(1, 1)  # data/tasks.py arithmetic difficulty

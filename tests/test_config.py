@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -255,6 +256,9 @@ def test_required_marker_in_an_override_is_refused(tmp_path):
     ("execute.memory_mb=-1", "key 'execute.memory_mb'"),
     ("model.optimized_name=last", "key 'model.optimized_name': optimized_name 'last' must be a plain folder name"),
     ("model.optimized_name=../elsewhere", "key 'model.optimized_name'"),
+    ("experiment.project=.", "key 'experiment.project': project '.' must name a folder inside output_dir"),
+    ("experiment.project=a/../..", "key 'experiment.project'"),
+    ("experiment.project=/tmp/x", "key 'experiment.project'"),
     ("model.optimized_value_name=optimized", "key 'model.optimized_value_name'"),
     ("model.optimized_value_name=last.old", "key 'model.optimized_value_name': optimized_value_name 'last.old'"),
 ])
@@ -266,6 +270,15 @@ def test_invalid_yaml_names_file_and_line(tmp_path):
     path = _write(tmp_path, "model:\n  pretrained_model: \"oops\n  model_base: sdar\n")
     msg = _error([f"config={path}"])
     assert path in msg and "invalid YAML" in msg
+
+
+def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path):
+    """YAML files and quoted overrides reach us unexpanded: a path key reads ~ as a shell would."""
+    cfg = load_config([f"config={_write(tmp_path, MINIMAL_RL)}", "experiment.output_dir=~/runs",
+                       "model.value_base_model=~/ckpt", "dataset.train_dataset=~/data/train.json"], "rl")
+    home = os.path.expanduser("~")
+    assert cfg.experiment.output_dir == f"{home}/runs" and cfg.model.value_base_model == f"{home}/ckpt"
+    assert cfg.dataset.train_dataset == f"{home}/data/train.json"
 
 
 def test_argument_errors(tmp_path):

@@ -365,6 +365,25 @@ def test_a_staged_evaluation_run_is_locked_while_it_runs(tmp_path):
     assert (tmp_path / "eval" / "results.jsonl").read_text() == "{}\n"
 
 
+def test_an_evaluation_never_overwrites_a_live_run_of_its_directory(tmp_path):
+    """An RL or SFT run holds the lock of its own directory (not of a .partial one): an eval's overwrite of that
+    directory is refused while it lives, and takes the lock itself until its commit."""
+    from core.files import RunLock, StagedRun
+
+    live = RunLock(tmp_path / "run")
+    (tmp_path / "run" / "step_1").mkdir()
+    with pytest.raises(RunDirError, match=f"run directory {tmp_path / 'run'} is in use by a live run"):
+        StagedRun(tmp_path / "run", overwrite=True)
+    assert (tmp_path / "run" / "step_1").is_dir()
+    live.release()
+    staged = StagedRun(tmp_path / "run", overwrite=True)  # the partial folder's lock was released on the refusal
+    with pytest.raises(RunDirError, match="in use by a live run"):
+        RunLock(tmp_path / "run")  # no run starts there before the eval's commit
+    staged.commit()
+    assert not (tmp_path / "run" / "step_1").exists()
+    RunLock(tmp_path / "run").release()
+
+
 # ------------------------------------------------------------------------------------------ SFT runs
 
 
