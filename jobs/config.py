@@ -328,7 +328,7 @@ class WandbConfig(Settings):
 
     enabled: bool = False
     entity: str | None = None
-    resume: str = "auto"
+    resume: Literal["allow", "must", "never", "auto"] = "auto"  # wandb.init's resume
 
 
 @dataclass

@@ -60,7 +60,7 @@ from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, end_processes, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
-from jobs.trackers import start_trackers
+from jobs.trackers import check_trackers, start_trackers
 from models.lora import wrapped_model
 from models.registry import family_spec, load_model, load_policy
 from models.value import load_value_model, value_model_from_policy
@@ -261,6 +261,7 @@ class RLJob:
             from reward.judges import build_judge
 
             self.judge = build_judge(cfg.model.process_reward_model, cfg.process_reward, seed=cfg.experiment.seed)
+        check_trackers(cfg)
         if cfg.experiment.start_from_scratch:  # every setup check passed: only now may an overwritten run go
             empty_run_dir(self.root, self.acc)
         first = 1 if resume_from is None else resume_from + 1

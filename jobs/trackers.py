@@ -6,6 +6,7 @@ Every tracker takes ``log(scalars, step)`` and ``finish()``; :func:`start_tracke
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,20 @@ def numeric_scalars(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+WANDB_MISSING = "wandb.enabled is true but wandb is not installed (pip install wandb)"
+TENSORBOARD_MISSING = ("tensorboard.enabled is true but neither tensorboardX nor tensorboard is installed "
+                       "(pip install tensorboardX)")
+
+
+def check_trackers(cfg: Any) -> None:
+    """Refuse an enabled tracker whose package is missing before the job changes anything on disk (an overwritten
+    run is emptied only after every setup check)."""
+    if cfg.wandb.enabled and importlib.util.find_spec("wandb") is None:
+        raise RunDirError(WANDB_MISSING)
+    if cfg.tensorboard.enabled and not any(importlib.util.find_spec(m) for m in ("tensorboardX", "tensorboard")):
+        raise RunDirError(TENSORBOARD_MISSING)
+
+
 def start_trackers(cfg: Any, run_dir: Path, first_step: int = 1) -> Trackers:
     """The enabled trackers; ``first_step`` > 1 (a resumed run): TensorBoard hides what an earlier attempt logged
     for the steps about to be redone (a step interrupted after its metrics were logged is logged again); wandb shows
@@ -52,7 +67,7 @@ def _wandb_run(cfg: Any, run_dir: Path) -> Any:
     try:
         import wandb
     except ImportError:
-        raise RunDirError("wandb.enabled is true but wandb is not installed (pip install wandb)") from None
+        raise RunDirError(WANDB_MISSING) from None
     w = cfg.wandb
     return WandbRun(wandb.init(project=cfg.experiment.project, entity=w.entity, resume=w.resume, dir=str(run_dir),
                                config=to_dict(cfg)))
@@ -85,8 +100,7 @@ class TensorBoard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise RunDirError("tensorboard.enabled is true but neither tensorboardX nor tensorboard is installed "
-                                  "(pip install tensorboardX)") from None
+                raise RunDirError(TENSORBOARD_MISSING) from None
         # The event file is named by the second it opens in and the host: a resumed run that starts within the same
         # second as the attempt before it would write over that attempt's file, so each writer gets its own suffix.
         self.writer = SummaryWriter(str(log_dir), purge_step=purge_step, filename_suffix=f".{uuid.uuid4().hex[:12]}")

@@ -105,3 +105,23 @@ def test_wandb_keeps_the_values_of_a_redone_step(tmp_path, monkeypatch):
     summary = dict(run.run.summary)
     run.finish()
     assert summary["reward"] == 0.5 and summary["step"] == 2
+
+
+def test_a_missing_tracker_package_is_refused_before_an_overwritten_run_is_emptied(tmp_path, demo_tokenizer,
+                                                                                   monkeypatch):
+    import importlib.util
+
+    from core.files import RunDirError
+    from jobs.rl import run_rl
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
+                        real_find_spec(name, *a))
+    old = tmp_path / "run" / "step_5" / "metrics.json"
+    old.parent.mkdir(parents=True)
+    old.write_text("{}")
+    model = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
+    cfg = load_config(demo_args(tmp_path, model, **{"experiment.overwrite": "true", "wandb.enabled": "true"}), "rl")
+    with pytest.raises(RunDirError, match="wandb.enabled is true but wandb is not installed"):
+        run_rl(cfg, progress=False)
+    assert old.read_text() == "{}"
