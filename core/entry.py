@@ -52,10 +52,26 @@ def relaunch_if_requested(cfg, script: str, argv: list[str]) -> None:
     if not config.is_file():
         raise ConfigError(f"key 'experiment.deepspeed_file': {config} does not exist (choose a file of "
                           f"{root / 'accelerate_configs'})", "experiment.deepspeed_file")
+    machines = accelerate_config_size(config)[1]
+    if machines != cfg.experiment.num_node:  # accelerate would wait for the other machines for ever
+        raise ConfigError(f"key 'experiment.deepspeed_file': {config.name} launches {machines} machines but "
+                          f"experiment.num_node is {cfg.experiment.num_node}; choose a 1-node file, or start a "
+                          "multi-node run with multinode_*.py on every node", "experiment.deepspeed_file")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(root / script),
            *argv]
     print("launching: " + " ".join(cmd), flush=True)
     os.execv(cmd[0], cmd)
+
+
+def accelerate_config_size(path) -> tuple[int, int]:
+    """(num_processes, num_machines) of an accelerate config file (1 where a key is absent)."""
+    import re
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    procs = re.search(r"^num_processes:\s*(\d+)", text, re.M)
+    machines = re.search(r"^num_machines:\s*(\d+)", text, re.M)
+    return (int(procs.group(1)) if procs else 1), (int(machines.group(1)) if machines else 1)
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001

@@ -471,6 +471,9 @@ def build(cls: type, cfg: DictConfig, sources: dict[str, str], path: str, prefix
         value = _resolve(cfg, key, src)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key in texts and _wants_text(tp):
             value = texts[key]
+        elif isinstance(value, dict) and typing.get_origin(tp) is dict and _wants_text(typing.get_args(tp)[1]):
+            # a mapping of text (system.env): OMP_NUM_THREADS: 010 or FLAG: false mean the text written
+            value = {k: texts.get(f"{key}.{k}", v) if isinstance(v, (int, float)) else v for k, v in value.items()}
         try:
             kwargs[name] = coerce(value, tp)
         except _Mismatch as err:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
+from core.files import write_atomic
 
 __all__ = ["KINDS", "DataFormatError", "validate_row", "validate_rows", "row_kind", "load_dataset_file",
            "save_dataset_file"]
@@ -165,8 +166,5 @@ def save_dataset_file(rows: Sequence[Mapping], path: str | Path, kind: str) -> P
     """Validate and write rows as a JSON list (atomically: temp file + rename)."""
     path = Path(path)
     valid = validate_rows(rows, kind, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(valid, ensure_ascii=False, indent=1), encoding="utf-8")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(valid, ensure_ascii=False, indent=1))
     return path

@@ -4,7 +4,9 @@ the environment, and the job runs under ``accelerate launch`` with the matching 
 Recognised environments (first complete one wins, checked in this order):
 * the reference's platform: ``MLP_ROLE_INDEX``, ``MLP_WORKER_NUM``, ``MLP_WORKER_0_HOST``, ``MLP_WORKER_0_PORT``;
 * torchrun style: ``NODE_RANK``, ``NNODES``, ``MASTER_ADDR``, ``MASTER_PORT``;
-* SLURM: ``SLURM_NODEID``, ``SLURM_NNODES``, the first host of ``SLURM_JOB_NODELIST`` (``MASTER_PORT`` or 29500).
+* SLURM: ``SLURM_NODEID``, ``SLURM_NNODES``, ``MASTER_ADDR`` or the first host of ``SLURM_JOB_NODELIST``,
+  ``MASTER_PORT`` or 29500 (a scheme is recognised by its rank and count variables, so SLURM scripts may export
+  ``MASTER_ADDR`` / ``MASTER_PORT``).
 Processes per node: ``NPROC_PER_NODE`` (default: the accelerate config's processes / machines). No ssh, no root.
 Torch-free, so a bad environment is reported at once.
 """
@@ -17,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.entry import accelerate_config_size
 from core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +68,7 @@ def node_env(env: dict[str, str] | None = None) -> NodeEnv:
     env = dict(os.environ if env is None else env)
     for name, keys in _SCHEMES:
         present = [k for k in keys if env.get(k)]
-        if not present:
+        if not any(env.get(k) for k in keys[:2]):  # a scheme is its rank and count: a lone MASTER_PORT is SLURM's too
             continue
         if len(present) < len(keys):
             missing = [k for k in keys if not env.get(k)]
@@ -102,13 +105,6 @@ def accelerate_config_for(deepspeed_file: str | None, num_nodes: int) -> Path:
     return path
 
 
-def _config_processes(path: Path) -> tuple[int, int]:
-    text = path.read_text()
-    procs = re.search(r"^num_processes:\s*(\d+)", text, re.M)
-    machines = re.search(r"^num_machines:\s*(\d+)", text, re.M)
-    return (int(procs.group(1)) if procs else 1), (int(machines.group(1)) if machines else 1)
-
-
 def launch_command(script: str, argv: list[str], node: NodeEnv, deepspeed_file: str | None,
                    num_node: int, env: dict[str, str] | None = None) -> list[str]:
     """``accelerate launch`` of ``script`` on this node (every node builds the same command but its rank)."""
@@ -117,8 +113,11 @@ def launch_command(script: str, argv: list[str], node: NodeEnv, deepspeed_file: 
         raise ClusterError(f"experiment.num_node is {num_node} but the environment ({node.source}) describes "
                            f"{node.num_nodes} node(s)")
     config = accelerate_config_for(deepspeed_file, node.num_nodes)
-    procs, machines = _config_processes(config)
-    per_node = int(env["NPROC_PER_NODE"]) if env.get("NPROC_PER_NODE") else max(procs // max(machines, 1), 1)
+    procs, machines = accelerate_config_size(config)
+    per_node = _int(env, "NPROC_PER_NODE", "NPROC_PER_NODE") if env.get("NPROC_PER_NODE") else \
+        max(procs // max(machines, 1), 1)
+    if per_node < 1:
+        raise ClusterError(f"NPROC_PER_NODE must be >= 1, got {per_node}")
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
             "--num_machines", str(node.num_nodes), "--machine_rank", str(node.node_rank),
             "--num_processes", str(per_node * node.num_nodes), "--main_process_ip", node.master_addr,

@@ -45,7 +45,9 @@ def ensure_demo_model(model_cfg: Any) -> None:
     sft_config = SFT_DEMOS.get(path.as_posix().rstrip("/"))
     if sft_config:
         print(f"{path} is missing: training the demo's starting model with {sft_config} (runs once)", flush=True)
-        _train_alone([f"config={sft_config}", "experiment.overwrite=true"])
+        # the working directory's copy of the config where it has one (as for the job's own paths), else ours
+        config = sft_config if Path(sft_config).is_file() else ROOT / sft_config
+        _train_alone([f"config={config}", "experiment.overwrite=true"])
         return
     from models.tiny import save_tiny_checkpoint
     from models.tokenizers import build_demo_tokenizer
@@ -74,7 +76,7 @@ def _train_alone(args: list[str]) -> None:
         raise
     if returncode != 0:
         raise ModelLoadError(f"training the demo's starting model failed (exit code {returncode}); to see why, run "
-                             f"the SFT alone: python train/sft_sdar.py {' '.join(args)}")
+                             f"the SFT alone: python {ROOT / 'train/sft_sdar.py'} {' '.join(args)}")
 
 
 def _stop(child: subprocess.Popen, signum: int, grace: float = 60.0) -> None:

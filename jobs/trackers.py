@@ -7,6 +7,7 @@ Every tracker takes ``log(scalars, step)`` and ``finish()``; :func:`start_tracke
 from __future__ import annotations
 
 import importlib.util
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,19 @@ TENSORBOARD_MISSING = ("tensorboard.enabled is true but neither tensorboardX nor
 def check_trackers(cfg: Any) -> None:
     """Refuse an enabled tracker whose package is missing before the job changes anything on disk (an overwritten
     run is emptied only after every setup check)."""
-    if cfg.wandb.enabled and importlib.util.find_spec("wandb") is None:
+    if cfg.wandb.enabled and not _importable("wandb"):
         raise RunDirError(WANDB_MISSING)
-    if cfg.tensorboard.enabled and not any(importlib.util.find_spec(m) for m in ("tensorboardX", "tensorboard")):
+    if cfg.tensorboard.enabled and not any(_importable(m) for m in ("tensorboardX", "tensorboard")):
         raise RunDirError(TENSORBOARD_MISSING)
+
+
+def _importable(name: str) -> bool:
+    if name in sys.modules:  # imported already (or planted by a test without a spec)
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def start_trackers(cfg: Any, run_dir: Path, first_step: int = 1) -> Trackers:

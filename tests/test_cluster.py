@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ TORCHRUN = {"NODE_RANK": "1", "NNODES": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_
      (0, 4, "h0", 8888, "MLP_*")),
     (TORCHRUN, (1, 2, "10.0.0.5", 29501, "torchrun")),
     ({"SLURM_NODEID": "2", "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "gpu[07-09]"}, (2, 3, "gpu07", 29500, "SLURM")),
+    ({"SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]", "MASTER_PORT": "12345",
+      "MASTER_ADDR": "gpu03-ib"}, (1, 2, "gpu03-ib", 12345, "SLURM")),  # what SLURM scripts export: not torchrun's
 ])
 def test_node_env_from_each_scheme(env, want):
     n = node_env(env)
@@ -56,6 +59,9 @@ def test_launch_command_is_the_same_on_every_node_but_the_rank():
     assert c[c.index("--num_processes") + 1] == "16" and c[c.index("--main_process_ip") + 1] == "10.0.0.5"
     with pytest.raises(ClusterError, match="experiment.num_node is 4"):
         launch_command("rl.py", [], node_env(TORCHRUN), None, 4)
+    for bad in ("8x", "0"):
+        with pytest.raises(ClusterError, match="NPROC_PER_NODE"):
+            launch_command("rl.py", [], node_env(TORCHRUN), None, 2, env={"NPROC_PER_NODE": bad})
 
 
 def _env(**extra) -> dict[str, str]:
@@ -134,3 +140,18 @@ def test_two_node_rl_keeps_both_nodes_identical(tmp_path, demo_tokenizer):
     assert max(float((start[k] - end[k]).abs().max()) for k in start) > 1e-4
     rollouts = [json.loads(x) for x in (tmp_path / "run" / "step_2" / "rollouts.jsonl").read_text().splitlines()]
     assert len({r["sample_id"] for r in rollouts}) == 16
+
+
+@pytest.mark.parametrize("file,error", [
+    ("2_node_8_gpus_ddp", "2_node_8_gpus_ddp.yaml launches 2 machines but experiment.num_node is 1"),
+    ("no_such_file", "does not exist (choose a file of"),
+])
+def test_a_single_node_relaunch_refuses_a_file_it_cannot_run(file, error):
+    """A 2-machine accelerate file on one node would wait for the second machine for ever."""
+    from core.entry import relaunch_if_requested
+    from core.loader import ConfigError
+    from jobs.config import load_config
+
+    cfg = load_config(["config=configs/demo/eval_demo.yaml", f"experiment.deepspeed_file={file}"], "eval")
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        relaunch_if_requested(cfg, "eval.py", [])

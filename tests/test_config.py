@@ -371,6 +371,14 @@ def test_a_number_given_to_a_text_key_keeps_the_text_as_written(tmp_path):
     assert cfg.experiment.project == "7"
 
 
+def test_environment_variables_keep_the_text_as_written(tmp_path):
+    path = _write(tmp_path, MINIMAL_EVAL + "system:\n  env: {OMP_NUM_THREADS: 010, T: 1:30, R: 1e-3, F: false}\n",
+                  "eval_job.yaml")
+    cfg = load_config([f"config={path}", "system.env.FOO=0123", "system.env.B=true"], "eval", stream=io.StringIO())
+    assert cfg.system.env == {"OMP_NUM_THREADS": "010", "T": "1:30", "R": "1e-3", "F": "false", "FOO": "0123",
+                              "B": "true"}  # not YAML's 8, 90, 0.001, False, 83, True
+
+
 @pytest.mark.parametrize("method,override", [("bgpo", "training.loss_norm=token_mean"),
                                              ("espo", "training.ratio_level=sequence"),
                                              ("wd1", "training.ratio_level=sequence")])

@@ -114,3 +114,18 @@ def test_an_interrupted_job_lets_its_sft_child_stop_cleanly(monkeypatch, interru
         demo._train_alone(["config=configs/demo/sft_demo.yaml"])
     first_wait = 0.0 if interrupt == "term" else 10.0
     assert calls == [("wait", None), ("wait", first_wait), ("signal", getattr(signal, forwarded)), ("wait", 60.0)]
+
+
+def test_the_demo_started_from_another_directory_trains_with_the_shipped_sft_config(tmp_path, monkeypatch):
+    """`python /path/to/rl.py config=/path/to/configs/demo/rl_demo.yaml` from elsewhere: the demo's paths are the
+    working directory's, and the SFT config, which that directory lacks, is the checkout's."""
+    from types import SimpleNamespace
+
+    from jobs import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "_train_alone", seen.append)
+    monkeypatch.chdir(tmp_path)
+    demo.ensure_demo_model(SimpleNamespace(pretrained_model="runs/sft_demo/ckpt/optimized", init_tiny_if_missing=True,
+                                           model_base="sdar"))
+    assert seen == [[f"config={ROOT / 'configs/demo/sft_demo.yaml'}", "experiment.overwrite=true"]]

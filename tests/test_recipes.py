@@ -120,13 +120,14 @@ def test_recipe_runs_on_tiny_substitutes(path, ckpts, tmp_path, judge_endpoint, 
 def test_every_multinode_recipe_names_an_existing_launch_config():
     """multinode_*.yaml: num_node > 1 and a launcher config of that many machines (ZeRO-3 where a value model runs:
     it trains beside the policy, each with its own engine)."""
-    from jobs.cluster import _config_processes, accelerate_config_for
+    from core.entry import accelerate_config_size
+    from jobs.cluster import accelerate_config_for
 
     multinode = [p for p in RECIPES if p.stem.startswith("multinode_")]
     assert len(multinode) >= 12
     for path in multinode:
         cfg = _file_config(path, job_kind(path))
         launch = accelerate_config_for(cfg.experiment.deepspeed_file, cfg.experiment.num_node)
-        assert cfg.experiment.num_node > 1 and _config_processes(launch)[1] == cfg.experiment.num_node, path.name
+        assert cfg.experiment.num_node > 1 and accelerate_config_size(launch)[1] == cfg.experiment.num_node, path.name
         if getattr(cfg.model, "value_base_model", None):
             assert "zero_stage: 3" in launch.read_text(), path.name

@@ -110,10 +110,12 @@ def test_wandb_keeps_the_values_of_a_redone_step(tmp_path, monkeypatch):
 def test_a_missing_tracker_package_is_refused_before_an_overwritten_run_is_emptied(tmp_path, demo_tokenizer,
                                                                                    monkeypatch):
     import importlib.util
+    import sys
 
     from core.files import RunDirError
     from jobs.rl import run_rl
 
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)  # another test may have planted a stand-in
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
                         real_find_spec(name, *a))

@@ -8,19 +8,29 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from data.formats import save_dataset_file
 from data.tasks import arithmetic_task, code_task
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.write_tasks", description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=("arithmetic", "code"), required=True)
-    parser.add_argument("--n", type=int, default=100)
+    parser.add_argument("--n", type=_at_least_one, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--difficulty", type=int, default=1, help="arithmetic only")
+    parser.add_argument("--difficulty", type=_at_least_one, default=1, help="arithmetic only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a directory: name the file to write")
     if args.task == "arithmetic":
         rows, kind = arithmetic_task(args.n, args.seed, args.difficulty), "math"
     else:
