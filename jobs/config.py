@@ -16,6 +16,7 @@ evaluation, wandb, system) live here. Reading, renamed reference keys and errors
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import sys
@@ -33,6 +34,7 @@ from reward.process import ProcessRewardConfig
 from reward.sandbox import SandboxConfig
 from sample.params import SamplingParams, Strategy
 from train.algorithms import (
+    CHECKED_KEYS,
     advantage_refusal,
     default_advantage,
     family_refusal,
@@ -434,13 +436,13 @@ class RLConfig(Settings):
         if family_refusal(self.training.method, self.model.model_base):
             raise SettingError("training.method", family_refusal(self.training.method, self.model.model_base))
         t = self.training
-        changed = {**({"ratio_level": t.ratio_level} if t.ratio_level != "token" else {}),
-                   **({"loss_norm": t.loss_norm} if t.loss_norm is not None else {})}
+        if self.model.value_base_model and value_model_refusal(self.training.method):
+            raise SettingError("training.method", value_model_refusal(self.training.method))
+        defaults = {f.name: f.default for f in dataclasses.fields(t)}
+        changed = {k: getattr(t, k) for k in CHECKED_KEYS if getattr(t, k) != defaults[k]}
         key, refusal = ignored_setting_refusal(t.method, changed)
         if refusal:
             raise SettingError(f"training.{key}", refusal)
-        if self.model.value_base_model and value_model_refusal(self.training.method):
-            raise SettingError("training.method", value_model_refusal(self.training.method))
         if self.reward.advantage is None:
             self.reward.advantage = default_advantage(self.training.method)
         if advantage_refusal(self.training.method, self.reward.advantage):

@@ -111,6 +111,29 @@ def test_spg_elbo_and_eubo_by_hand():
     assert logp.grad.tolist() == pytest.approx([-0.75 * 0.25, -0.75 * 0.25, -0.75 * 0.5], abs=1e-6)
 
 
+def test_spg_eubo_is_summed_in_log_space_and_stays_finite_far_below_exp_range():
+    """exp(1.5 x -80) underflows in float32: the EUBO must still be the formula's value (here one draw, t = 1: the
+    mean of the log-probs) and a zero-advantage sample must add a zero gradient, not NaN."""
+    logp = torch.tensor([-80.0, -1.0], requires_grad=True)
+    _, eubo = spg_scores(logp, torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([1.0, 1.0]), beta=1.5)
+    assert float(eubo.detach()) == pytest.approx(-40.5, abs=1e-4)
+    (0.0 * eubo).backward()
+    assert logp.grad.tolist() == [0.0, 0.0]
+
+
+def test_spg_gives_no_rows_for_a_response_with_nothing_to_train():
+    from tests.test_train_views import BLOCK2, FULL, traj
+    from train.settings import ViewConfig
+    from train.views import build_view
+
+    ok, pad = traj([5, 6], [7, 8], [1, 2], sid="ok"), traj([5, 6], [0, 0], [1, 2], sid="pad")  # padding only
+    for traits in (BLOCK2, FULL):
+        alone = build_view([ok], {"ok": 1.0}, ViewConfig(method="spg", mask_times_per_sample=2), traits)
+        both = build_view([ok, pad], {"ok": 1.0, "pad": -1.0}, ViewConfig(method="spg", mask_times_per_sample=2),
+                          traits)
+        assert both.num_rows == alone.num_rows > 0
+
+
 def test_bgpo_ratio_is_linear_for_positive_advantages_and_dual_clipped_for_negative():
     delta = torch.tensor([0.1, 0.1, 2.0, 0.5], requires_grad=True)
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
@@ -182,6 +205,9 @@ def test_ebpo_composite_ratio_and_reference_kl():
     ratio = math.exp(c - c_old)
     kl = math.exp(c_ref - c) - 1 - (c_ref - c)
     assert float(out.loss.detach()) == pytest.approx(ratio + 0.5 * kl, abs=1e-6)  # -(A ratio), A = -1
+    k1 = algorithm("ebpo").loss(logp, mb, RLTrainingConfig(method="ebpo", eps=0.2, ref_beta=0.5,
+                                                           use_kl_estimator_k3=False), ref)
+    assert float(k1.loss.detach()) == pytest.approx(ratio + 0.5 * (c - c_ref), abs=1e-6)  # the plain log-ratio
 
 
 def test_vrpo_pairs_chosen_and_rejected_responses_of_a_group_by_hand():
@@ -428,6 +454,19 @@ def test_refusals_at_config_load():
         load_config([*base, "training.method=spg", "training.elbo_weight=true"], "rl")
     cfg = load_config([*base, "training.method=coupled-grpo"], "rl")
     assert cfg.training.method == "coupled_grpo" and cfg.reward.advantage == "rloo"
+    # a key of the shared loss a method's own loss never reads, and a key only another method reads: refused
+    for method, override, why in [("wd1", "training.ref_beta=0.04", "its loss does not read it"),
+                                  ("spg", "training.eps=0.3", "its loss does not read it"),
+                                  ("espo", "training.beta=0.01", "its loss does not read it"),
+                                  ("vrpo", "training.use_kl_estimator_k3=false", "its loss does not read it"),
+                                  ("tracerl", "training.dual_clip=2", "only BGPO's loss reads it"),
+                                  ("bgpo", "training.preference_beta=0.5", "only VRPO's loss reads it")]:
+        with pytest.raises(ConfigError, match=f"key 'training.{override[9:].split('=')[0]}'.*{why}"):
+            load_config([*base, f"training.method={method}", override], "rl")
+    for method, override in [("espo", "training.ref_beta=0.01"), ("ebpo", "training.use_kl_estimator_k3=false"),
+                             ("bgpo", "training.dual_clip=2"), ("spg", "training.eubo_beta=1.0"),
+                             ("diffu_grpo", "training.ref_beta=0.04")]:
+        load_config([*base, f"training.method={method}", override], "rl")  # read by that method's loss
 
 
 # ---------------------------------------------------------------- RL jobs

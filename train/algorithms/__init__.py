@@ -30,12 +30,16 @@ class Entry:
     elbo_weight: bool = False  # accepts training.elbo_weight (its rows mask at random and its loss weighs tokens)
     attention: tuple[str, ...] = ("block", "full")  # the attention kinds it serves (models/kinds.py ATTENTION_OF)
     why: str = ""  # why it refuses the other kinds
-    # training keys its own loss does not read: ratio_level (a ratio per sequence or none at all), loss_norm (it
-    # normalises by units, samples or groups itself); setting them is refused, never silently ignored
+    # training keys of the shared clipped loss (train/loss.py) its own loss does not read: ratio_level (a ratio per
+    # sequence or none at all), loss_norm (it normalises by units, samples or groups itself), beta / ref_beta (no KL
+    # term, or its own penalty), eps / eps_high (no clip); setting them is refused, never silently ignored
     ignores: tuple[str, ...] = ()
+    own: tuple[str, ...] = ()  # keys only this method reads (OWN_KEYS): refused for every other method
 
 
 _OWN_LOSS = ("ratio_level", "loss_norm")  # a sequence-level objective normalised in its own way
+_NO_KL = ("beta", "ref_beta", "use_kl_estimator_k3")  # no KL term to the old policy or the reference
+_NO_CLIP = ("eps", "eps_high")  # no clipped ratio
 
 REGISTRY: dict[str, Entry] = {
     "tracerl": Entry("train.algorithms.tracerl", aliases=("trace_rl",), value_model=True, display="TraceRL"),
@@ -44,20 +48,29 @@ REGISTRY: dict[str, Entry] = {
     "cj_grpo": Entry("train.algorithms.cj_grpo", aliases=("cj-grpo",), display="CJ-GRPO", advantages=("dr_grpo",)),
     "diffu_grpo": Entry("train.algorithms.diffu_grpo", aliases=("d1", "diffu-grpo"), display="diffu-GRPO",
                         advantages=("dr_grpo",), elbo_weight=True),
-    "wd1": Entry("train.algorithms.wd1", advantages=("dr_grpo",), ignores=("ratio_level",)),
+    "wd1": Entry("train.algorithms.wd1", advantages=("dr_grpo",), ignores=("ratio_level", *_NO_KL, *_NO_CLIP)),
     "coupled_grpo": Entry("train.algorithms.coupled_grpo", aliases=("coupled-grpo",), display="coupled-GRPO",
                           advantages=("rloo", "dr_grpo"), ignores=("ratio_level",)),
-    "spg": Entry("train.algorithms.spg", display="SPG", advantages=("dr_grpo",), ignores=_OWN_LOSS),
-    "bgpo": Entry("train.algorithms.bgpo", display="BGPO", ignores=_OWN_LOSS),
-    "espo": Entry("train.algorithms.espo", display="ESPO", advantages=("rloo", "dr_grpo"), ignores=_OWN_LOSS),
-    "vrpo": Entry("train.algorithms.vrpo", display="VRPO", ignores=_OWN_LOSS),
+    "spg": Entry("train.algorithms.spg", display="SPG", advantages=("dr_grpo",),
+                 ignores=(*_OWN_LOSS, *_NO_KL, *_NO_CLIP), own=("eubo_beta", "eubo_weight")),
+    "bgpo": Entry("train.algorithms.bgpo", display="BGPO", ignores=(*_OWN_LOSS, *_NO_KL), own=("dual_clip",)),
+    # ESPO's reference penalty is quadratic (no KL estimator); EBPO's is k3 or k1 of the ELBOs
+    "espo": Entry("train.algorithms.espo", display="ESPO", advantages=("rloo", "dr_grpo"),
+                  ignores=(*_OWN_LOSS, "beta", "use_kl_estimator_k3")),
+    # VRPO's reference enters its DPO margin, always (no ref_beta weight)
+    "vrpo": Entry("train.algorithms.vrpo", display="VRPO", ignores=(*_OWN_LOSS, *_NO_KL, *_NO_CLIP),
+                  own=("preference_beta",)),
     "ebpo": Entry("train.algorithms.ebpo", display="EBPO", attention=("block",),
                   why="it noises every block on its own in one block-causal forward (use espo or bgpo)",
-                  ignores=_OWN_LOSS),
+                  ignores=(*_OWN_LOSS, "beta")),
     "semi_ar": Entry("train.algorithms.semi_ar", rl=False, elbo_weight=True),
     "ar": Entry("train.algorithms.ar", rl=False),
 }
 
+OWN_KEYS = {key: name for name, entry in REGISTRY.items() for key in entry.own}
+# the training keys whose setting a method may not read (jobs/config.py refuses them when set away from the default)
+CHECKED_KEYS = ("ratio_level", "loss_norm", "beta", "ref_beta", "use_kl_estimator_k3", "eps", "eps_high",
+                *OWN_KEYS)
 METHODS = tuple(REGISTRY)
 RL_METHODS = tuple(name for name, entry in REGISTRY.items() if entry.rl)
 _BY_SPELLING = {spelling: name for name, entry in REGISTRY.items() for spelling in (name, *entry.aliases)}
@@ -118,6 +131,10 @@ def ignored_setting_refusal(method: str, settings: dict[str, object]) -> tuple[s
         if key in entry.ignores:
             return key, (f"training.{key} {value!r} has no effect with training.method "
                          f"{entry.display or method!r}: its loss does not read it (its paper's objective sets it)")
+        if key in OWN_KEYS and key not in entry.own:
+            owner = REGISTRY[OWN_KEYS[key]]
+            return key, (f"training.{key} {value!r} has no effect with training.method "
+                         f"{entry.display or method!r}: only {owner.display or OWN_KEYS[key]}'s loss reads it")
     return "", ""
 
 

@@ -56,6 +56,6 @@ class EBPO(Algorithm):
 
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
         return elbo_ratio_loss(logp_new, mb, cfg, logp_ref, per_token=False,
-                               reference_penalty=lambda c, c_ref, _: kl_estimate(c, c_ref))
+                               reference_penalty=lambda c, c_ref, _: kl_estimate(c, c_ref, cfg.use_kl_estimator_k3))
 
 ALGORITHM = EBPO()

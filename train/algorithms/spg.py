@@ -15,6 +15,8 @@ SPG's beta (``training.eubo_beta``): 1.5 for GSM8K and MATH, 1.0 for Sudoku.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -32,6 +34,8 @@ def block_random_masks(block_of: Tensor, trainable: Tensor, draws: int, gen: tor
     may be picked) and [draws] first masked block; each draw masks 1..l_b random tokens of a random block b holding
     trainable tokens and every token after it."""
     candidates = torch.unique(block_of[trainable])
+    if not len(candidates):  # nothing to train (a response of padding only): no draws, no rows
+        return torch.zeros(0, len(block_of), dtype=torch.bool), torch.zeros(0, dtype=torch.long)
     masks, chosen = [], []
     for _ in range(draws):
         b = candidates[int(torch.randint(len(candidates), (), generator=gen))]
@@ -52,9 +56,13 @@ def spg_scores(logp: Tensor, unit: Tensor, token: Tensor, level: Tensor, beta: f
     counts = torch.bincount(unit_of, minlength=n).to(logp.dtype)
     elbo = (per_unit / counts).mean()
     tokens, token_of = torch.unique(token, return_inverse=True)
-    terms = torch.exp(beta * logp) / level.to(logp.dtype)
-    p = torch.zeros(len(tokens), dtype=logp.dtype, device=logp.device).index_add(0, token_of, terms) / n
-    return elbo, torch.log(p).mean() / beta
+    # log P_k = log sum_j exp(beta log p_j - log t_j) - log n, summed in log space: exp(beta log p) underflows to 0
+    # (log 0 = -inf, a NaN loss) once beta log p < -104 in float32
+    terms = beta * logp - torch.log(level.to(logp.dtype))
+    top = torch.full((len(tokens),), -torch.inf, dtype=logp.dtype, device=logp.device)
+    top = top.scatter_reduce(0, token_of, terms.detach(), "amax")
+    total = torch.zeros_like(top).index_add(0, token_of, torch.exp(terms - top[token_of]))
+    return elbo, (top + torch.log(total) - math.log(n)).mean() / beta
 
 
 class SPG(Algorithm):
