@@ -62,7 +62,7 @@ from jobs.evaluate import evaluate, pass_at_k, sample_scored
 from jobs.rollout import check_for_model, load_tasks
 from jobs.trackers import check_trackers, start_trackers
 from models.lora import wrapped_model
-from models.registry import family_spec, load_model, load_policy
+from models.registry import DTYPES, family_spec, load_model, load_policy
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages, overlong_penalty
 from sample.generate import sampling_dtype
@@ -304,7 +304,7 @@ class RLJob:
         cfg = self.cfg
         saved = None if resume_from is None else self.run.step(resume_from) / "ckpt" / "value" / "policy"
         if saved is not None and not cfg.lora.enabled:
-            model = load_value_model(saved)
+            model = load_value_model(saved, dtype=DTYPES[cfg.model.dtype])  # as a fresh run's (model.dtype)
         else:  # LoRA: the backbone (from value_base_model) through adapters, the head trained whole
             base = load_model(_with_path(cfg.model, cfg.model.value_base_model), device="cpu").model
             model = value_model_from_policy(base)

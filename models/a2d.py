@@ -53,9 +53,17 @@ def load_ar(source: str | Path, gguf_file: str | None = None) -> tuple[Any, Any]
         raise ConversionError(f"--source {source}: cannot read its config ({type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200]})") from None
     check_source(config)
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, trust_remote_code=False, **extra)
-    tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=False, **extra)
+    tokenizer = _load(source, "tokenizer", AutoTokenizer.from_pretrained, **extra)  # cheap: fails before the weights
+    model = _load(source, "weights", AutoModelForCausalLM.from_pretrained, dtype=torch.float32, **extra)
     return model.eval(), tokenizer
+
+
+def _load(source: Path, what: str, loader: Any, **kwargs: Any) -> Any:
+    try:
+        return loader(str(source), trust_remote_code=False, **kwargs)
+    except Exception as err:  # noqa: BLE001 - one line, not a traceback
+        raise ConversionError(f"--source {source}: cannot load its {what} ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200]})") from None
 
 
 def check_source(config: Any) -> None:
@@ -95,6 +103,17 @@ def _rope_theta(config: Any) -> float:
     return float(theta)
 
 
+def _eos_ids(ar: Any, tokenizer: Any) -> int | list[int] | None:
+    """The tokenizer's EOS and every one the AR config lists (Llama 3.1's three): each must stop the sampler."""
+    listed = getattr(ar, "eos_token_id", None)
+    ids = sorted({*(listed if isinstance(listed, (list, tuple)) else [listed]), tokenizer.eos_token_id} - {None})
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
 def target_config(ar: Any, to: str, vocab: int, mask_id: int, tokenizer: Any, block_size: int) -> Any:
     """The diffusion family's config with the AR model's shapes."""
     common = dict(
@@ -106,7 +125,7 @@ def target_config(ar: Any, to: str, vocab: int, mask_id: int, tokenizer: Any, bl
         tie_word_embeddings=bool(getattr(ar, "tie_word_embeddings", False)),
         attention_bias=ar.model_type == "qwen2" or bool(getattr(ar, "attention_bias", False)),
         qk_norm=ar.model_type == "qwen3", mask_token_id=mask_id, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=_eos_ids(ar, tokenizer), bos_token_id=_first(tokenizer.bos_token_id, ar.bos_token_id),
     )
     if to == "dream":
         from models.dream import DreamConfig

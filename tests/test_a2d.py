@@ -136,6 +136,27 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
         convert(src, "dream", tmp_path / "z", mask_token=ar_tokenizer.eos_token)
     with pytest.raises(ConversionError, match=r"not a folder"):
         convert(tmp_path / "missing", "dream", tmp_path / "w")
+    import shutil
+
+    for what, pattern in (("weights", "model.safetensors"), ("tokenizer", "tokenizer*")):
+        broken = tmp_path / f"no_{what}"
+        shutil.copytree(src, broken)
+        for f in broken.glob(pattern):
+            f.unlink()
+        with pytest.raises(ConversionError, match=f"^--source {broken}: cannot load its {what} "):
+            convert(broken, "dream", tmp_path / f"out_{what}")
+
+
+def test_every_eos_id_of_the_ar_config_stops_the_converted_model(tmp_path, ar_tokenizer):
+    """Llama 3.1's config lists three EOS ids where its tokenizer names one: the converted model keeps them all."""
+    src = _ar_checkpoint(tmp_path / "ar", "llama", ar_tokenizer)
+    extra = ar_tokenizer.convert_tokens_to_ids("<|im_start|>") if "<|im_start|>" in ar_tokenizer.get_vocab() else 7
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"eos_token_id": [ar_tokenizer.eos_token_id, extra]}))
+    out = convert(src, "sdar", tmp_path / "sdar", block_size=4)
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == sorted({ar_tokenizer.eos_token_id, extra})
+    adapter = load_model({"pretrained_model": str(out), "model_base": "sdar", "dtype": "float32"})
+    assert extra in adapter.eos_ids and extra in adapter.stop_ids
 
 
 def test_distilled_rows_are_the_ar_models_own_greedy_answers_and_train_the_converted_model(tmp_path, ar_tokenizer):

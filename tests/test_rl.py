@@ -235,6 +235,29 @@ def test_the_schedules_count_training_rl_steps_whatever_the_filters_drop(tmp_pat
     assert RLJob._schedule_steps(job, every=3) == 3  # steps 3, 6 and 9
 
 
+def test_a_resumed_value_model_is_loaded_in_the_runs_dtype(tmp_path, monkeypatch):
+    """A fresh run builds the value model from value_base_model in model.dtype: its resume loads it in that dtype
+    too (not float32, which would change its values and double its memory)."""
+    from types import SimpleNamespace
+
+    import jobs.rl
+    from jobs.rl import RLJob
+
+    class Loaded(Exception):
+        pass
+
+    def load_value_model(path, dtype=torch.float32):
+        raise Loaded(path, dtype)
+
+    monkeypatch.setattr(jobs.rl, "load_value_model", load_value_model)
+    cfg = load_config(demo_args(tmp_path, tmp_path / "m", **{"model.value_base_model": str(tmp_path / "m"),
+                                                             "model.dtype": "bfloat16"}), "rl")
+    job = SimpleNamespace(cfg=cfg, run=SimpleNamespace(step=lambda i: tmp_path / f"step_{i}"))
+    with pytest.raises(Loaded) as loaded:
+        RLJob._value_trainer(job, resume_from=2)
+    assert loaded.value.args == (tmp_path / "step_2" / "ckpt" / "value" / "policy", torch.bfloat16)
+
+
 @pytest.mark.slow
 def test_a_value_model_run_resumes_exactly_and_saves_each_optimizer_once(tmp_path, ckpts):
     """Outside DeepSpeed the value model shares the policy's Accelerator, whose state holds both optimizers: the
