@@ -3,8 +3,8 @@
     python -m tools.accelerate_config
 
 - ``ddp.yaml``: plain DDP, 1 node x 8 GPUs, bf16.
-- ``{2,4,8,16}_node_8_gpus_ddp.yaml``: plain DDP on several nodes (runs with a value model, which does not run
-  under DeepSpeed).
+- ``{2,4,8,16}_node_8_gpus_ddp.yaml``: plain DDP on several nodes (a value model runs under DDP or, with its own
+  engine, under DeepSpeed).
 - ``{1,2,4,8,16}_node_8_gpus_deepspeed_zero{2,3}.yaml``: DeepSpeed ZeRO-2/3 on GPU memory only.
 - ``..._offload.yaml``: the same with optimizer states and parameters offloaded to CPU (the reference's only
   variant). ZeRO-Offload with a torch optimizer needs ``zero_force_ds_cpu_optimizer: false`` or DeepSpeed's
