@@ -192,12 +192,17 @@ def _plain_equal(pred: str, gt: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- math-verify
+_NUMBERS_BETWEEN_WORDS = re.compile(r"\d\s*\\(?:text|mbox|mathrm)\{[^{}]*[A-Za-z][^{}]*\}\s*-?\d")
+
+
 def _symbolic_equal(pred: str, gt: str, timeout_s: int | None) -> bool:
     """math_verify equivalence; ``timeout_s`` uses signal.alarm, so only pass it in a main thread."""
     import logging
 
     from math_verify import parse, verify
 
+    if _NUMBERS_BETWEEN_WORDS.search(pred) and not _NUMBERS_BETWEEN_WORDS.search(gt):
+        return False  # "2 \text{ hours and } 30 \text{ minutes}": math_verify would read its first number only
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     try:
         gold = parse(f"${gt}$", parsing_timeout=timeout_s)

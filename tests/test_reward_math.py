@@ -104,7 +104,8 @@ def test_equivalent_forms(pred, gt):
 @pytest.mark.parametrize(
     ("pred", "gt"),
     [("1,2", "12"), ("12", "1,2"), ("[0,1)", "(0,1]"), ("3", "4"), ("0.51", r"\frac12"), ("x+1", "x-1"),
-     (r"\frac{1}{3}", "0.3"), ("", "0")],
+     (r"\frac{1}{3}", "0.3"), ("", "0"), (r"2 \text{ hours and } 30 \text{ minutes}", "2"),
+     (r"6 \text{ ft } 2 \text{ in}", "6")],  # not the first number of a compound quantity
 )
 def test_wrong_answers_stay_wrong(pred, gt):
     assert not is_equivalent(pred, gt)
