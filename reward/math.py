@@ -231,6 +231,11 @@ def is_equivalent(pred: str | None, gt: str, timeout_s: int = 5) -> bool:
     return _symbolic_equal(pred, gt, timeout_s if _in_main_thread() else None)
 
 
+def _import_math_verify() -> None:
+    """A pool worker's warm-up: math_verify (and sympy) imported before the first item's timeout starts."""
+    import math_verify  # noqa: F401
+
+
 def _pool_equivalent(pred: str, gt: str, timeout_s: int) -> bool:
     """Worker-side check (runs in the main thread of a pool process, so the alarm timeout works)."""
     return _symbolic_equal(pred, gt, timeout_s)
@@ -278,7 +283,8 @@ def _shared_pool(workers: int, timeout_s: float, context: str) -> TimeoutPool:
     key = (workers, timeout_s, context)
     with _POOLS_LOCK:
         if key not in _POOLS:
-            _POOLS[key] = TimeoutPool(_pool_equivalent, workers=workers, timeout_s=timeout_s, context=context)
+            _POOLS[key] = TimeoutPool(_pool_equivalent, workers=workers, timeout_s=timeout_s, context=context,
+                                      warmup=_import_math_verify)
         return _POOLS[key]
 
 

@@ -21,9 +21,11 @@ __all__ = ["TimeoutPool"]
 START_TIMEOUT_S = 300.0  # a worker's start (a spawned interpreter importing ``fn``'s module) on a loaded machine
 
 
-def _worker_loop(fn: Callable[..., Any], conn: Connection) -> None:
-    """Say ready (``fn`` unpickled: its module imported), then apply ``fn`` to each received argument tuple until
-    the parent closes the pipe."""
+def _worker_loop(fn: Callable[..., Any], conn: Connection, warmup: Callable[[], Any] | None = None) -> None:
+    """Say ready (``fn`` unpickled: its module imported; ``warmup`` run: the imports ``fn`` makes on first use), then
+    apply ``fn`` to each received argument tuple until the parent closes the pipe."""
+    if warmup is not None:
+        warmup()
     conn.send((True, "ready"))
     while True:
         try:
@@ -39,9 +41,9 @@ def _worker_loop(fn: Callable[..., Any], conn: Connection) -> None:
 class _Worker:
     """One worker process and the end of its pipe; ``started`` is set while an item is in flight."""
 
-    def __init__(self, ctx: Any, fn: Callable[..., Any]) -> None:
+    def __init__(self, ctx: Any, fn: Callable[..., Any], warmup: Callable[[], Any] | None = None) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_loop, args=(fn, child), daemon=True)
+        self.proc = ctx.Process(target=_worker_loop, args=(fn, child, warmup), daemon=True)
         self.proc.start()
         child.close()
         self.item: int | None = None
@@ -65,10 +67,12 @@ class _Worker:
 
 
 class TimeoutPool:
-    """Run a picklable top-level ``fn(*args)`` over many argument tuples, each with a hard timeout."""
+    """Run a picklable top-level ``fn(*args)`` over many argument tuples, each with a hard timeout (``warmup``, a
+    top-level function too, runs in each worker before it counts as started)."""
 
-    def __init__(self, fn: Callable[..., Any], workers: int = 2, timeout_s: float = 5.0, context: str = "spawn"):
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], workers: int = 2, timeout_s: float = 5.0, context: str = "spawn",
+                 warmup: Callable[[], Any] | None = None):
+        self.fn, self.warmup = fn, warmup
         self.n_workers = max(1, workers)
         self.timeout_s = timeout_s
         self.ctx = mp.get_context(context)
@@ -78,7 +82,7 @@ class TimeoutPool:
 
     def _ensure_workers(self, n: int) -> None:
         self.workers = [w for w in self.workers if w.proc.is_alive()]
-        fresh = [_Worker(self.ctx, self.fn) for _ in range(min(n, self.n_workers) - len(self.workers))]
+        fresh = [_Worker(self.ctx, self.fn, self.warmup) for _ in range(min(n, self.n_workers) - len(self.workers))]
         try:
             for w in fresh:  # started together, waited for together
                 w.wait_ready()
@@ -113,6 +117,8 @@ class TimeoutPool:
                         self._replace(w)
                         continue
                     busy[w.conn] = w
+            if not busy:  # every send failed: the fresh workers take the items on the next pass
+                continue
             now = time.monotonic()
             next_deadline = min(w.started + self.timeout_s for w in busy.values())
             for conn in wait(list(busy), timeout=max(0.0, next_deadline - now)):
@@ -132,7 +138,7 @@ class TimeoutPool:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        fresh = _Worker(self.ctx, self.fn)
+        fresh = _Worker(self.ctx, self.fn, self.warmup)
         fresh.wait_ready()
         self.workers[self.workers.index(w)] = fresh
 

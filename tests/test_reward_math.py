@@ -31,6 +31,19 @@ def _sleep_if_asked(x: str) -> str:
     return x.upper()
 
 
+def _warmed() -> None:
+    """Pool warm-up helper: what it sets is visible to every item the worker runs."""
+    import os
+
+    os.environ["POOL_WARMED"] = "yes"
+
+
+def _was_warmed(x: str) -> str:
+    import os
+
+    return os.environ.get("POOL_WARMED", "no")
+
+
 # ----------------------------------------------------------------------------------------------- extraction
 @pytest.mark.parametrize(
     ("text", "expected"),
@@ -192,6 +205,19 @@ def test_a_worker_that_does_not_start_leaves_no_process_and_no_half_done_state(m
         assert pool.workers == [] and len(calls) == 2 and not any(w.proc.is_alive() for w in calls)
         monkeypatch.setattr(procpool._Worker, "wait_ready", ready)
         assert pool.map([("c",), ("d",)]) == ["C", "D"]  # the next map starts afresh
+    finally:
+        pool.close()
+
+
+def test_workers_that_died_while_idle_are_replaced_and_their_warmup_runs_first():
+    """Every idle worker gone before the map (its sends fail): fresh workers take the items; each one ran the
+    warm-up before it counted as started."""
+    pool = TimeoutPool(_was_warmed, workers=2, timeout_s=30.0, warmup=_warmed)
+    try:
+        assert pool.map([("a",), ("b",)]) == ["yes", "yes"]
+        for w in pool.workers:  # alive to _ensure_workers, but their pipes are closed: every send fails
+            w.conn.close()
+        assert pool.map([("c",), ("d",), ("e",)]) == ["yes", "yes", "yes"]
     finally:
         pool.close()
 
