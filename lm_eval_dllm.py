@@ -8,13 +8,14 @@ registers `dllm_rl`) and then runs lm-eval's own CLI.
 from __future__ import annotations
 
 
-def main() -> None:
+def main() -> int:
     from lm_eval.__main__ import cli_evaluate
 
     import jobs.harness  # noqa: F401 - registers the model under its name
+    from core.entry import run_job
 
-    cli_evaluate()
+    return run_job(cli_evaluate)  # a bad model_args value: one line, exit 2
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -194,10 +194,11 @@ class StagedRun:
         try:
             self.final_lock = RunLock(self.final) if self.final.is_dir() else None
         except RunDirError:
-            self.lock.release()
+            self.final_lock = None
+            self._refuse()
             raise
         if run_dir_entries(self.final) and not overwrite:
-            self.release()
+            self._refuse()
             raise RunDirError(f"output directory {self.final} is not empty (a previous run); pass "
                               "experiment.overwrite=true to replace it, or choose another experiment.project / "
                               "experiment.output_dir")
@@ -223,6 +224,16 @@ class StagedRun:
         write_atomic(self.partial / INTERRUPTED_MARK, reason + "\n")
         self.release()
         return self.partial
+
+    def _refuse(self) -> None:
+        """Release the locks of a run refused before it began, and remove its partial folder if it made one."""
+        empty = not run_dir_entries(self.partial)  # else an earlier attempt's, which stays
+        if empty:
+            (self.partial / LOCK_NAME).unlink(missing_ok=True)  # while held: no other run takes it in between
+        self.release()
+        if empty:
+            with contextlib.suppress(OSError):
+                self.partial.rmdir()
 
     def release(self) -> None:
         self.lock.release()

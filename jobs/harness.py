@@ -27,6 +27,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from core.errors import UserError
 from core.loader import coerce
 from core.schema import SettingError, config_fields, replace
 from data.prompts import chat_ids, prompt_messages
@@ -70,9 +71,9 @@ class DiffusionLM(LM):
         super().__init__()
         model_cfg = {"pretrained_model": pretrained, "model_base": model_base, "tokenizer": tokenizer,
                      "dtype": dtype, "attn_backend": attn_backend}
+        self.params = base_params(sampling, seed)  # checked before the (slow) load: a typo fails at once
         self.adapter = load_model(model_cfg, device=_device(device))
         self.adapter.model.eval()
-        self.params = base_params(sampling, seed)
         check_for_model("model_args", self.params, self.adapter)
         self.chat, self.start_with_think, self.seed = bool(chat), bool(start_with_think), int(seed)
         self.mc_num, self.mc_batch_size, self.greedy_check = int(mc_num), int(mc_batch_size), bool(greedy_check)
@@ -98,7 +99,7 @@ class DiffusionLM(LM):
         """Sampler settings of one task's ``gen_kwargs`` and its ``until`` strings."""
         unknown = set(gen_kwargs) - _GEN_KWARGS
         if unknown:
-            raise ValueError(f"{MODEL_NAME}: unsupported gen_kwargs {sorted(unknown)}; supported: "
+            raise HarnessArgError(f"{MODEL_NAME}: unsupported gen_kwargs {sorted(unknown)}; supported: "
                              f"{sorted(_GEN_KWARGS)}")
         changes: dict[str, Any] = {}
         if "max_gen_toks" in gen_kwargs:
@@ -215,6 +216,10 @@ class DiffusionLM(LM):
         return getattr(self.adapter.tokenizer, "chat_template", None) or ""
 
 
+class HarnessArgError(UserError, ValueError):
+    """A model_args or gen_kwargs value lm-eval passed that our model cannot take (one line at the command line)."""
+
+
 def _device(requested: str | None) -> str:
     """The device to load on: lm-eval's CLI passes "cuda" unless told otherwise, so a CPU-only machine falls back
     to the CPU (with a warning) as lm-eval's own HF model does."""
@@ -230,17 +235,17 @@ def base_params(sampling: dict[str, Any], seed: int) -> SamplingParams:
     fields = config_fields(SamplingParams)
     unknown = set(sampling) - set(fields)
     if unknown:
-        raise ValueError(f"{MODEL_NAME}: unknown model_args {sorted(unknown)}; sampler keys are {sorted(fields)}")
+        raise HarnessArgError(f"{MODEL_NAME}: unknown model_args {sorted(unknown)}; sampler keys are {sorted(fields)}")
     typed = {}
     for key, value in sampling.items():  # lm-eval reads `temperature=1` as an int: each takes its field's type
         try:
             typed[key] = coerce(value, fields[key][0])
         except Exception as err:  # noqa: BLE001 - the loader's type mismatch, as one line naming the key
-            raise ValueError(f"{MODEL_NAME}: model_args {key} {getattr(err, 'detail', err)}") from None
+            raise HarnessArgError(f"{MODEL_NAME}: model_args {key} {getattr(err, 'detail', err)}") from None
     try:
         return SamplingParams(**{"temperature": 0.0, "max_tokens": DEFAULT_MAX_GEN_TOKS, "seed": seed, **typed})
     except SettingError as err:
-        raise ValueError(f"{MODEL_NAME}: model_args {err.field}: {err}") from None
+        raise HarnessArgError(f"{MODEL_NAME}: model_args {err.field}: {err}") from None
 
 
 def cut_at(text: str, until: list[str]) -> str:

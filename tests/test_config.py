@@ -300,6 +300,11 @@ def test_cli_checks_files(tmp_path, capsys):
     assert main([good, bad]) == 1
     out = capsys.readouterr().out
     assert f"ok     {good}" in out and "error" in out and "rollout.top_k" in out
+    mine = _write(tmp_path, MINIMAL_RL, "my_experiment.yaml")  # a name that says no kind: --kind does
+    assert main([mine]) == 1 and "cannot infer the kind from the name" in capsys.readouterr().out
+    assert main(["--kind", "rl", mine]) == 0 and f"ok     {mine}" in capsys.readouterr().out
+    assert main(["--kind", "rl", str(tmp_path / "missing.yaml")]) == 1
+    assert capsys.readouterr().out.strip() == f"error  {tmp_path / 'missing.yaml'}: file not found"
 
 
 def test_config_errors_come_before_heavy_imports(tmp_path):

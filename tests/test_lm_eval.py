@@ -295,3 +295,13 @@ def test_int_model_args_keep_a_tasks_fractional_sampling_settings(harness_lm, mo
     assert (task.temperature, task.top_p, task.top_k) == (0.6, 0.95, 20)
     with pytest.raises(ValueError, match="model_args temperature expects a number, got 'hot'"):
         base_params({"temperature": "hot"}, 0)
+
+
+def test_a_bad_model_arg_is_one_line_at_the_command_line(capsys):
+    """lm_eval_dllm runs lm-eval's CLI under run_job: our model_args errors are user errors (exit 2, one line)."""
+    from core.entry import run_job
+    from jobs.harness import base_params
+
+    assert run_job(lambda: base_params({"max_tokenz": 8}, 0)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: dllm_rl: unknown model_args ['max_tokenz']")

@@ -363,6 +363,13 @@ def test_a_staged_evaluation_run_is_locked_while_it_runs(tmp_path):
     second = StagedRun(tmp_path / "eval", overwrite=True)  # released at commit
     second.abandon("interrupted")
     assert (tmp_path / "eval" / "results.jsonl").read_text() == "{}\n"
+    with pytest.raises(RunDirError, match="is not empty"):
+        StagedRun(tmp_path / "eval")  # refused at once: no partial folder of its own is left behind
+    assert sorted(p.name for p in (tmp_path / "eval.partial").iterdir()) == [".lock", "INTERRUPTED"]  # the earlier
+    shutil.rmtree(tmp_path / "eval.partial")
+    with pytest.raises(RunDirError, match="is not empty"):
+        StagedRun(tmp_path / "eval")
+    assert not (tmp_path / "eval.partial").exists()
 
 
 def test_an_evaluation_never_overwrites_a_live_run_of_its_directory(tmp_path):
@@ -374,7 +381,7 @@ def test_an_evaluation_never_overwrites_a_live_run_of_its_directory(tmp_path):
     (tmp_path / "run" / "step_1").mkdir()
     with pytest.raises(RunDirError, match=f"run directory {tmp_path / 'run'} is in use by a live run"):
         StagedRun(tmp_path / "run", overwrite=True)
-    assert (tmp_path / "run" / "step_1").is_dir()
+    assert (tmp_path / "run" / "step_1").is_dir() and not (tmp_path / "run.partial").exists()
     live.release()
     staged = StagedRun(tmp_path / "run", overwrite=True)  # the partial folder's lock was released on the refusal
     with pytest.raises(RunDirError, match="in use by a live run"):
@@ -501,7 +508,8 @@ def test_an_overflowing_sft_run_never_writes_its_model(tmp_path, model):
 def test_config_check_without_files_prints_usage():
     proc = subprocess.run([sys.executable, "-m", "tools.check_config"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m tools.check_config CONFIG.yaml")
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m tools.check_config ")
+    assert "required: CONFIG.yaml" in proc.stderr.splitlines()[-1]
 
 
 def test_mistyped_dataset_names_suggest_the_closest():

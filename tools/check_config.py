@@ -1,28 +1,33 @@
-"""Validate config files without running anything: each is loaded as its job would load it (kind from the name).
+"""Validate config files without running anything: each is loaded as its job would load it.
 
     python -m tools.check_config configs/*.yaml
+    python -m tools.check_config --kind rl my_experiment.yaml
 
-Prints ``ok`` or the one-line error per file; the exit status is 1 if any file failed, 2 on no arguments.
+The job kind comes from the file name (rl_*, *_eval, sft_*, serve_*) unless ``--kind`` names it. Prints ``ok`` or
+the one-line error per file; the exit status is 1 if any file failed, 2 on bad arguments.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from jobs.config import ConfigError, job_kind, load_config
+from jobs.config import SCHEMAS, ConfigError, job_kind, load_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    paths = sys.argv[1:] if argv is None else argv
-    if not paths:
-        print("usage: python -m tools.check_config CONFIG.yaml [CONFIG.yaml ...]  (validates each file; the job kind "
-              "comes from the file name)", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m tools.check_config", description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+", metavar="CONFIG.yaml")
+    parser.add_argument("--kind", choices=sorted(SCHEMAS), help="the job kind of every file (default: from its name)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     status = 0
-    for path in paths:
+    for path in args.configs:
         try:
-            load_config([f"config={path}"], job_kind(path), stream=sys.stdout)
+            if not Path(path).is_file():
+                raise ConfigError(f"{path}: file not found", source=path)
+            load_config([f"config={path}"], args.kind or job_kind(path), stream=sys.stdout)
             print(f"ok     {path}")
         except ConfigError as err:
             print(f"error  {err}")
