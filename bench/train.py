@@ -179,7 +179,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logits", choices=("full", "gathered"), help=argparse.SUPPRESS)
     p.add_argument("--measure", choices=("time", "memory"), help=argparse.SUPPRESS)
     p.add_argument("--attention", choices=("dense", "split"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.block < 1 or args.l1 % args.block or not 1 <= args.steps_per_block <= args.block or args.samples < 1:
+        p.error("--l1 must be a multiple of --block, 1 <= --steps-per-block <= --block, --samples >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

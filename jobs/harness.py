@@ -30,7 +30,7 @@ from lm_eval.api.registry import register_model
 from core.errors import UserError
 from core.loader import coerce
 from core.schema import SettingError, config_fields, replace
-from data.prompts import chat_ids, prompt_messages
+from data.prompts import MATH, MATH_THINK, chat_ids, prompt_messages
 from jobs.config import ExperimentConfig
 from jobs.dist import default_device
 from jobs.rollout import check_for_model
@@ -71,12 +71,17 @@ class DiffusionLM(LM):
         super().__init__()
         model_cfg = {"pretrained_model": pretrained, "model_base": model_base, "tokenizer": tokenizer,
                      "dtype": dtype, "attn_backend": attn_backend}
-        self.params = base_params(sampling, seed)  # checked before the (slow) load: a typo fails at once
+        # every model_arg is checked before the (slow) load: a typo fails at once
+        self.chat, self.start_with_think, self.greedy_check = (
+            _model_arg(name, value, bool) for name, value in
+            (("chat", chat), ("start_with_think", start_with_think), ("greedy_check", greedy_check)))
+        self.seed = _model_arg("seed", seed, int)
+        self.mc_num, self.mc_batch_size = (_model_arg(name, value, int, least=1) for name, value in
+                                           (("mc_num", mc_num), ("mc_batch_size", mc_batch_size)))
+        self.params = base_params(sampling, self.seed)
         self.adapter = load_model(model_cfg, device=_device(device))
         self.adapter.model.eval()
         check_for_model("model_args", self.params, self.adapter)
-        self.chat, self.start_with_think, self.seed = bool(chat), bool(start_with_think), int(seed)
-        self.mc_num, self.mc_batch_size, self.greedy_check = int(mc_num), int(mc_batch_size), bool(greedy_check)
         self.pretrained = str(pretrained)
 
     # ------------------------------------------------------------ generation
@@ -176,7 +181,8 @@ class DiffusionLM(LM):
         if context.startswith(CHAT_TAG):
             return self._messages_ids(**json.loads(context[len(CHAT_TAG):]))
         if self.chat:
-            return chat_ids(self.adapter, [{"role": "user", "content": context}], self.start_with_think)
+            return chat_ids(self.adapter, [{"role": "user", "content": _think_form(context, self.start_with_think)}],
+                            self.start_with_think)
         return self.adapter.encode_text(context)
 
     def _messages_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -220,6 +226,17 @@ class HarnessArgError(UserError, ValueError):
     """A model_args or gen_kwargs value lm-eval passed that our model cannot take (one line at the command line)."""
 
 
+def _model_arg(name: str, value: Any, tp: type, least: int | None = None) -> Any:
+    """A model_arg of ``tp`` (lm-eval passes only true/false/numbers typed: "no" or 2.9 is refused, not bool()'d)."""
+    try:
+        typed = coerce(value, tp)
+    except Exception as err:  # noqa: BLE001 - the loader's type mismatch, as one line naming the key
+        raise HarnessArgError(f"{MODEL_NAME}: model_args {name} {getattr(err, 'detail', err)}") from None
+    if least is not None and typed < least:
+        raise HarnessArgError(f"{MODEL_NAME}: model_args {name} must be >= {least}, got {typed}")
+    return typed
+
+
 def _device(requested: str | None) -> str:
     """The device to load on: lm-eval's CLI passes "cuda" unless told otherwise, so a CPU-only machine falls back
     to the CPU (with a warning) as lm-eval's own HF model does."""
@@ -256,9 +273,20 @@ def cut_at(text: str, until: list[str]) -> str:
     return text
 
 
+_MATH_SUFFIX = MATH.format(question="")
+
+
+def _think_form(context: str, start_with_think: bool) -> str:
+    """eval.py's math prompt with ``start_with_think`` is another text (MATH_THINK): a task's ``math_prompt`` (which
+    cannot see model_args) is rewritten to it, so that both score the same prompt."""
+    if start_with_think and context.endswith(_MATH_SUFFIX):
+        return MATH_THINK.format(question=context[:-len(_MATH_SUFFIX)])
+    return context
+
+
 def math_prompt(doc: dict) -> str:
-    """eval.py's math prompt text for a dataset row (the model renders it as one user turn of its chat template);
-    used by the task files in lm_eval_tasks/."""
+    """eval.py's math prompt text for a dataset row (the model renders it as one user turn of its chat template;
+    under ``start_with_think=true`` as eval.py's thinking form); used by the task files in lm_eval_tasks/."""
     messages, _ = prompt_messages(doc, "math")
     return messages[0]["content"]
 

@@ -305,3 +305,25 @@ def test_a_bad_model_arg_is_one_line_at_the_command_line(capsys):
     assert run_job(lambda: base_params({"max_tokenz": 8}, 0)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: dllm_rl: unknown model_args ['max_tokenz']")
+
+
+def test_a_tasks_math_prompt_under_start_with_think_is_eval_pys_thinking_prompt(harness_lm, monkeypatch):
+    from data.prompts import prompt_ids
+    from jobs.harness import math_prompt
+
+    doc = {"question": "What is 2+3?\nShow the sum."}
+    for think in (False, True):
+        monkeypatch.setattr(harness_lm, "start_with_think", think)
+        assert harness_lm.context_ids(math_prompt(doc)) == prompt_ids(harness_lm.adapter, doc, "math", think)
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    ("chat=no", "model_args chat expects"), ("greedy_check=off", "model_args greedy_check expects"),
+    ("mc_num=2.9", "model_args mc_num expects"), ("mc_num=0", "model_args mc_num must be >= 1, got 0"),
+    ("mc_batch_size=0", "model_args mc_batch_size must be >= 1"),
+])
+def test_model_args_of_the_wrong_type_are_refused_before_the_model_loads(args, error):
+    from jobs.harness import DiffusionLM, HarnessArgError
+
+    with pytest.raises(HarnessArgError, match=error):  # the path does not exist: the check comes first
+        DiffusionLM.create_from_arg_string(f"pretrained=/nonexistent,model_base=sdar,{args}")
