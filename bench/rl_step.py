@@ -100,9 +100,8 @@ def reference_way(job: RLJob, tmp: Path) -> dict[str, float]:
     trainer.compute_old_logprobs = lambda plan: clock("old_logprobs", lambda: old(plan))
     clock("train_total", lambda: trainer.train_step(kept, adv))
     clock.t["training"] = clock.t.pop("train_total") - clock.t.get("old_logprobs", 0.0)
-    job.adapter = load()  # the evaluation stage reloads the new checkpoint too
     clock("saving", lambda: (learner.model.save_pretrained(policy), None))
-    clock("reload_for_eval", load)
+    job.adapter = clock("reload_for_eval", load)  # the evaluation stage reads the checkpoint just trained
     clock("evaluation", lambda: job._evaluate(job.root / "bench_eval_ref"))
     job.adapter = original
     return clock.t
