@@ -140,7 +140,7 @@ class Settings:
 
     # fields holding a file system path: a leading ~ is the user's home, as a shell would have it (YAML files and
     # quoted overrides reach us unexpanded)
-    PATH_FIELDS: tuple[str, ...] = ()
+    PATH_FIELDS: typing.ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         self.validate()
