@@ -181,13 +181,14 @@ class DiffusionLM(LM):
         if context.startswith(CHAT_TAG):
             return self._messages_ids(**json.loads(context[len(CHAT_TAG):]))
         if self.chat:
-            return chat_ids(self.adapter, [{"role": "user", "content": _think_form(context, self.start_with_think)}],
-                            self.start_with_think)
+            return self._messages_ids([{"role": "user", "content": context}], add_generation_prompt=True)
         return self.adapter.encode_text(context)
 
     def _messages_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         # lm-eval ends the messages with an assistant turn holding a task's answer prefix ("gen_prefix") and asks
         # for no generation prompt: the prefix opens the assistant's answer, which the model then continues.
+        messages = [{**m, "content": _think_form(m["content"], self.start_with_think)} if m["role"] == "user" else m
+                    for m in messages]
         if not add_generation_prompt and messages and messages[-1]["role"] == "assistant":
             return (chat_ids(self.adapter, messages[:-1], self.start_with_think)
                     + self.adapter.encode_text(messages[-1]["content"]))
@@ -253,12 +254,8 @@ def base_params(sampling: dict[str, Any], seed: int) -> SamplingParams:
     unknown = set(sampling) - set(fields)
     if unknown:
         raise HarnessArgError(f"{MODEL_NAME}: unknown model_args {sorted(unknown)}; sampler keys are {sorted(fields)}")
-    typed = {}
-    for key, value in sampling.items():  # lm-eval reads `temperature=1` as an int: each takes its field's type
-        try:
-            typed[key] = coerce(value, fields[key][0])
-        except Exception as err:  # noqa: BLE001 - the loader's type mismatch, as one line naming the key
-            raise HarnessArgError(f"{MODEL_NAME}: model_args {key} {getattr(err, 'detail', err)}") from None
+    # lm-eval reads `temperature=1` as an int: each takes its field's type
+    typed = {key: _model_arg(key, value, fields[key][0]) for key, value in sampling.items()}
     try:
         return SamplingParams(**{"temperature": 0.0, "max_tokens": DEFAULT_MAX_GEN_TOKS, "seed": seed, **typed})
     except SettingError as err:
@@ -278,7 +275,8 @@ _MATH_SUFFIX = MATH.format(question="")
 
 def _think_form(context: str, start_with_think: bool) -> str:
     """eval.py's math prompt with ``start_with_think`` is another text (MATH_THINK): a task's ``math_prompt`` (which
-    cannot see model_args) is rewritten to it, so that both score the same prompt."""
+    cannot see model_args) is rewritten to it, so that both score the same prompt. The text itself is matched, not
+    a tagged row: lm-eval joins few-shot examples and logs contexts as plain text."""
     if start_with_think and context.endswith(_MATH_SUFFIX):
         return MATH_THINK.format(question=context[:-len(_MATH_SUFFIX)])
     return context

@@ -315,12 +315,16 @@ def test_a_tasks_math_prompt_under_start_with_think_is_eval_pys_thinking_prompt(
     for think in (False, True):
         monkeypatch.setattr(harness_lm, "start_with_think", think)
         assert harness_lm.context_ids(math_prompt(doc)) == prompt_ids(harness_lm.adapter, doc, "math", think)
+        # --apply_chat_template: the prompt arrives as a user message; it is rewritten alike
+        chat = harness_lm.apply_chat_template([{"role": "user", "content": math_prompt(doc)}])
+        assert harness_lm.context_ids(chat) == prompt_ids(harness_lm.adapter, doc, "math", think)
 
 
 @pytest.mark.parametrize(("args", "error"), [
     ("chat=no", "model_args chat expects"), ("greedy_check=off", "model_args greedy_check expects"),
     ("mc_num=2.9", "model_args mc_num expects"), ("mc_num=0", "model_args mc_num must be >= 1, got 0"),
     ("mc_batch_size=0", "model_args mc_batch_size must be >= 1"),
+    ("denoising_steps=2.5", "model_args denoising_steps expects an int"),
 ])
 def test_model_args_of_the_wrong_type_are_refused_before_the_model_loads(args, error):
     from jobs.harness import DiffusionLM, HarnessArgError
