@@ -80,9 +80,13 @@ class TimeoutPool:
         self.lock = threading.Lock()  # one map() at a time: workers hold per-call state
         atexit.register(self.close)
 
+    def _spawn(self) -> _Worker:
+        """A started worker process (not yet known to be ready)."""
+        return _Worker(self.ctx, self.fn, self.warmup)
+
     def _ensure_workers(self, n: int) -> None:
         self.workers = [w for w in self.workers if w.proc.is_alive()]
-        fresh = [_Worker(self.ctx, self.fn, self.warmup) for _ in range(min(n, self.n_workers) - len(self.workers))]
+        fresh = [self._spawn() for _ in range(min(n, self.n_workers) - len(self.workers))]
         try:
             for w in fresh:  # started together, waited for together
                 w.wait_ready()
@@ -138,7 +142,7 @@ class TimeoutPool:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        fresh = _Worker(self.ctx, self.fn, self.warmup)
+        fresh = self._spawn()
         fresh.wait_ready()
         self.workers[self.workers.index(w)] = fresh
 
