@@ -7,7 +7,6 @@ Every tracker takes ``log(scalars, step)`` and ``finish()``; :func:`start_tracke
 from __future__ import annotations
 
 import importlib.util
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -52,8 +51,6 @@ def check_trackers(cfg: Any) -> None:
 
 
 def _importable(name: str) -> bool:
-    if name in sys.modules:  # imported already (or planted by a test without a spec)
-        return sys.modules[name] is not None
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):

@@ -8,6 +8,7 @@ not count as reads, so a key counts only when the code that uses it reads it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import json
 from pathlib import Path
 
@@ -77,7 +78,9 @@ def test_rejected_keys_have_reasons(kind):
 
 
 class _FakeWandb:
-    """Stands in for the wandb package: records what the job sends."""
+    """Stands in for the wandb package: records what the job sends (its spec lets find_spec see it installed)."""
+
+    __spec__ = importlib.machinery.ModuleSpec("wandb", None)
 
     def __init__(self):
         self.inits, self.logs = [], []
