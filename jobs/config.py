@@ -284,7 +284,6 @@ class EvaluationConfig(EvalRollout):
     eval_dataset: str = "builtin:arithmetic"
     data_type: DataType = "math"
     builtin_size: int | None = bounded(None, 1)  # built-in tasks drawn (null: 64), with seed experiment.seed + 1
-    num_response_per_task: int = bounded(3, 1)
 
     def validate(self) -> None:
         super().validate()
