@@ -20,11 +20,13 @@ Under DeepSpeed ZeRO-3 the two tensors are gathered when the ``experts`` module 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.common import AttentionLayout
 from models.layers import silu_mul
 
 
@@ -199,11 +201,16 @@ def register_fused_experts(*names: str) -> None:
         ], overwrite=True)
 
 
-def load_balancing_loss(router_logits: Sequence[Tensor], top_k: int, num_experts: int) -> Tensor:
+def load_balancing_loss(router_logits: Sequence[Tensor], top_k: int, num_experts: int,
+                        real_tokens: Tensor | None = None) -> Tensor:
     """Switch / Qwen3-MoE auxiliary loss as transformers' ``load_balancing_loss_func`` (which the public SDAR-MoE
     and LLaDA-MoE modeling code calls) computes it: the tokens of every sparse layer together,
     num_experts * sum_e (tokens sending one of their top-k slots to e, summed over the k slots, per token) *
-    (mean router probability of e). A balanced router scores top_k. Padding tokens count, as without a mask there."""
+    (mean router probability of e). A balanced router scores top_k. ``real_tokens`` ([T] bool, the flattened
+    batch's non-padding tokens) leaves the padding out, as that function's ``attention_mask`` does: otherwise a
+    row's loss would depend on how long the other rows of its batch are."""
+    if real_tokens is not None:
+        router_logits = [logits[real_tokens] for logits in router_logits]
     probs = F.softmax(torch.cat([logits.float() for logits in router_logits]), dim=-1)
     index = torch.topk(probs, top_k, dim=-1).indices
     routed = F.one_hot(index, num_experts).float().sum(dim=1)  # [N, E]: slots per expert per token
@@ -258,9 +265,22 @@ class MoeBackboneMixin:
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
+    router_real_tokens: Tensor | None = None  # [B * N] bool: the last forward's non-padding tokens (None: all)
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, layout: AttentionLayout | None = None, **kwargs: Any):
+        out = super().forward(input_ids, attention_mask=attention_mask, position_ids=position_ids, layout=layout,
+                              **kwargs)
+        valid = layout.valid if layout is not None else (
+            attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
+        self.router_real_tokens = None if valid is None else valid.reshape(-1).bool()
+        return out
+
     def router_aux_loss(self) -> Tensor | None:
-        """The load-balancing loss over the sparse layers of the last forward (None unless output_router_logits)."""
+        """The load-balancing loss over the sparse layers and real tokens of the last forward (None unless
+        output_router_logits)."""
         blocks = [b for b in self.moe_blocks() if b.last_router_logits is not None]
         if not blocks:
             return None
-        return load_balancing_loss([b.last_router_logits for b in blocks], blocks[0].top_k, blocks[0].num_experts)
+        return load_balancing_loss([b.last_router_logits for b in blocks], blocks[0].top_k, blocks[0].num_experts,
+                                   self.router_real_tokens)

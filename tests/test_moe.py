@@ -201,6 +201,33 @@ def test_router_aux_loss_only_when_asked(tiny):
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-6)
 
 
+def test_load_balancing_loss_leaves_padding_out_as_transformers_attention_mask():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.randn(2 * 5, 8, generator=g) * 2 for _ in range(2)]  # 2 layers, 2 rows of 5 tokens
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    ours = float(load_balancing_loss(layers, 2, 8, mask.reshape(-1).bool()))
+    assert ours == pytest.approx(float(load_balancing_loss_func(tuple(layers), 8, 2, mask)), rel=1e-6)
+    assert abs(ours - float(load_balancing_loss(layers, 2, 8))) > 1e-3  # the padding would have counted
+
+
+def test_router_aux_loss_of_a_row_does_not_depend_on_its_batchs_padding(tiny):
+    b = tiny("sdar_moe", seed=0, output_router_logits=True)
+    ids = torch.arange(3, 11)[None]
+    pos = torch.arange(8)[None]
+    with torch.no_grad():
+        b.forward(ids, pos, AttentionLayout.block_causal(pos, 4))
+        alone = float(b.model.model.router_aux_loss())
+        # the same row beside padding (a batch row of 8 pads: invalid tokens)
+        padded_ids = torch.cat([ids, torch.full_like(ids, 5)])
+        padded_pos = pos.expand(2, 8)
+        valid = torch.tensor([[True] * 8, [False] * 8])
+        b.forward(padded_ids, padded_pos, AttentionLayout.block_causal(padded_pos, 4, valid))
+        padded = float(b.model.model.router_aux_loss())
+    assert padded == pytest.approx(alone, rel=1e-5)
+
+
 def test_llada2_sigmoid_group_limited_routing_by_hand():
     from models.moe import sigmoid_group_limited_routing
 
