@@ -145,7 +145,8 @@ def read_raw_rows(path: str | Path) -> list[Any]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataFormatError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+        hint = " (one JSON object per line is JSON Lines: name the file .jsonl)" if exc.msg == "Extra data" else ""
+        raise DataFormatError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}{hint}") from None
     if not isinstance(rows, list):
         raise DataFormatError(f"{path}: expected a JSON list of rows, got {_type_name(rows)}")
     return rows

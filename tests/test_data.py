@@ -75,6 +75,10 @@ def test_file_level_errors(tmp_path):
     bad.write_text("[{")
     with pytest.raises(DataFormatError, match="invalid JSON"):
         load_dataset_file(bad, "math")
+    lines = tmp_path / "lines.json"  # JSON Lines under a .json name
+    lines.write_text(json.dumps(MATH_ROW) + "\n" + json.dumps(MATH_ROW) + "\n")
+    with pytest.raises(DataFormatError, match=r"line 2: Extra data \(one JSON object per line is JSON Lines: name"):
+        load_dataset_file(lines, "math")
     with pytest.raises(FileNotFoundError, match="dataset file not found"):
         load_dataset_file(tmp_path / "missing.json", "math")
     with pytest.raises(ValueError, match="unknown dataset kind"):
