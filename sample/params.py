@@ -45,7 +45,9 @@ class SamplingParams(Settings):
     full-attention models, "dual" (full attention only) also caches the suffix.
 
     Rules that need the model (stop strings, dual cache on a block model, steps vs blocks) are checked by
-    :meth:`check_for` before sampling starts.
+    :meth:`check_for` before sampling starts; it also refuses a setting the chosen sampler would ignore
+    (``steps`` on a block model, ``max_post_steps`` without editing, ``alg_temp`` / ``target`` /
+    ``pad_target_penalty`` under the sequential or entropy-bounded strategies).
     """
 
     max_tokens: int = bounded(64, 1)
@@ -117,6 +119,9 @@ class SamplingParams(Settings):
             if self.denoising_steps > block:
                 raise SettingError("denoising_steps", f"denoising_steps ({self.denoising_steps}) exceeds the block "
                                                       f"size ({block}): a step must unmask at least one token")
+            if self.steps is not None:
+                raise SettingError("steps", "steps counts the whole answer's steps of full-attention models; block "
+                                            "models take denoising_steps per block")
             if self.cuda_graphs and self.cache == "none":
                 raise SettingError("cuda_graphs", "cuda_graphs replays cached decode forwards: it needs cache "
                                                   "'prefix', not 'none'")
@@ -131,11 +136,25 @@ class SamplingParams(Settings):
             if self.steps is not None and self.steps < n_blocks:
                 raise SettingError("steps", f"steps ({self.steps}) is fewer than the {n_blocks} blocks of "
                                             f"{block} tokens in max_tokens {self.max_tokens}: every block needs a step")
+        self._check_no_ignored_setting()
         limit = adapter.position_limit
         if limit is not None and block > limit:
             raise SettingError("block_size", f"block_size ({block}) exceeds the model's {limit} positions")
         for text in self.stop:
             _single_token_id(adapter.tokenizer, text)
+
+    def _check_no_ignored_setting(self) -> None:
+        """Refuse a setting the chosen sampler would ignore (each named set only where it differs from its
+        default: the defaults are what the sampler does anyway)."""
+        defaults = {name: f.default for name, f in self.__dataclass_fields__.items()}
+        if self.editing_threshold is None and self.max_post_steps != defaults["max_post_steps"]:
+            raise SettingError("max_post_steps", "max_post_steps bounds token editing's extra forwards: it needs "
+                                                 "editing_threshold")
+        if self.remasking_strategy in ("sequential", "entropy_bounded"):
+            for name in ("alg_temp", "target", "pad_target_penalty"):
+                if getattr(self, name) != defaults[name]:
+                    raise SettingError(name, f"{name} shapes the confidence-ranked choice of positions; "
+                                             f"remasking_strategy {self.remasking_strategy!r} does not rank by it")
 
     def stop_ids(self, tokenizer: Any, eos_ids: tuple[int, ...], default_stop_ids: tuple[int, ...]) -> set[int]:
         """The set of token ids that end a response (EOS, stop ids, single-token stop strings)."""

@@ -478,10 +478,24 @@ def test_generate_refuses_settings_the_model_cannot_honour(sdar, demo_tokenizer)
     for adapter, params, field in [(dream, _greedy(editing_threshold=0.9), "editing_threshold"),
                                    (dream, _greedy(cuda_graphs=True), "cuda_graphs"),
                                    (sdar, _greedy(cuda_graphs=True, cache="none"), "cuda_graphs"),
-                                   (sdar, _greedy(denoising_steps=sdar.block_size + 1), "denoising_steps")]:
+                                   (sdar, _greedy(denoising_steps=sdar.block_size + 1), "denoising_steps"),
+                                   # settings the chosen sampler would ignore
+                                   (sdar, _greedy(steps=8), "steps"),
+                                   (sdar, _greedy(max_post_steps=3), "max_post_steps"),
+                                   (dream, _greedy(max_post_steps=3), "max_post_steps"),
+                                   (sdar, _greedy(remasking_strategy="sequential", alg_temp=0.5), "alg_temp"),
+                                   (dream, _greedy(remasking_strategy="entropy_bounded", target="margin_confidence"),
+                                    "target"),
+                                   (sdar, _greedy(remasking_strategy="entropy_bounded", pad_target_penalty=2.0),
+                                    "pad_target_penalty")]:
         with pytest.raises(SettingError) as err:
             generate(adapter, [[5, 6, 7]], params, progress=False)
         assert err.value.field == field
+    # what each of them is for still runs
+    for adapter, params in [(dream, _greedy(steps=8)), (sdar, _greedy(editing_threshold=0.9, max_post_steps=3)),
+                            (sdar, _greedy(remasking_strategy="low_confidence_static", alg_temp=0.5, seed=1,
+                                           target="margin_confidence", pad_target_penalty=2.0))]:
+        generate(adapter, [[5, 6, 7]], params, progress=False)
 
 
 def test_the_fixed_capacity_cache_gives_the_growing_caches_tokens_with_token_editing(sdar):
