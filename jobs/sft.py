@@ -254,7 +254,7 @@ class SFTJob:
                                   cfg.lr_scheduler, total_steps=self.total, accelerator=self.acc)
         first = 0
         if resume:
-            first = int(load_checkpoint(self.trainer, self.last)["step"])
+            first = self._resumed_step(load_checkpoint(self.trainer, self.last))
         else:  # every setup check passed: only now may an overwritten run go
             empty_run_dir(self.root, self.acc)
         if self.main:
@@ -262,6 +262,18 @@ class SFTJob:
             write_atomic(self.root / "config.yaml", config_text(cfg))
         barrier(self.acc)
         return first
+
+    def _resumed_step(self, loop: dict) -> int:
+        """The saved step, refused where continuing from it would train other rows or relabel the weights."""
+        t, step, saved_world = self.cfg.training, int(loop["step"]), loop.get("num_processes")
+        if step > self.total:
+            raise RunDirError(f"{self.last} holds step {step}, past this run's last step {self.total} "
+                              "(training.max_steps / num_train_epochs): raise it to continue, or start a new run")
+        if t.samples_per_step and saved_world != self.acc.num_processes:  # a step's rows depend on the world size
+            raise RunDirError(f"{self.last} was saved by {saved_world} process(es) and training.samples_per_step "
+                              f"counts rows per process: resume with {saved_world} process(es) (now "
+                              f"{self.acc.num_processes}), or the data order would skip or repeat rows")
+        return step
 
     def _check_run_dir(self) -> bool:
         exp = self.cfg.experiment
@@ -288,10 +300,11 @@ class SFTJob:
         for s in samples:  # the block size the views train with (None: the model's own)
             s.block_size = t.block_size
         too_long = [s.sample_id for s in samples if t.max_prompt_len and len(s.prompt_ids) > t.max_prompt_len]
+        skipped = set(too_long)
         if too_long and self.main:
             print(f"note: {len(too_long)} of {len(samples)} rows have prompts over training.max_prompt_len "
                   f"({t.max_prompt_len}) and are skipped: {too_long[:5]}", flush=True)
-        kept = [s for s in samples if s.sample_id not in set(too_long)]
+        kept = [s for s in samples if s.sample_id not in skipped]
         cut = sum(t.max_gen_length is not None and len(s.response_ids) > t.max_gen_length for s in kept)
         if cut and self.main:  # the trainer cuts them (their turn end untrained): say so, never silently
             print(f"note: {cut} of {len(kept)} responses are longer than training.max_gen_length "

@@ -243,6 +243,16 @@ def test_a_run_resumes_only_under_its_own_config(tmp_path, ckpt):
             progress=False)  # a longer run, saved more rarely: the same run
     lines = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
+    with pytest.raises(RunDirError, match="holds step 3, past this run's last step 2"):  # never relabelled
+        run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 2,
+                                                        "experiment.start_from_scratch": "false"}), "sft"),
+                progress=False)
+    loop = tmp_path / "sft" / "ckpt" / "last" / "trainer" / "loop.json"
+    loop.write_text(json.dumps({**json.loads(loop.read_text()), "num_processes": 2}))  # as a 2-process run saves it
+    with pytest.raises(RunDirError, match=r"saved by 2 process\(es\).*resume with 2 process\(es\) \(now 1\)"):
+        run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 4,
+                                                        "experiment.start_from_scratch": "false"}), "sft"),
+                progress=False)
 
 
 def test_responses_cut_at_max_gen_length_are_reported(tmp_path, ckpt, capsys):
