@@ -141,18 +141,22 @@ def _check_row(row: Any, where: str, i: int) -> dict:
         raise DataFormatError(f"{where}: row {i}: expected an object, got {type(row).__name__}")
     if "messages" in row:
         msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                             for m in msgs):
-            raise DataFormatError(f"{where}: row {i}: field 'messages': expected a list of {{role, content}}")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                             and "content" in m for m in msgs):
+            raise DataFormatError(f"{where}: row {i}: field 'messages': expected a list of {{role, content}} with "
+                                  "string roles")
         if msgs[-1]["role"] != "assistant":
             raise DataFormatError(f"{where}: row {i}: field 'messages': the last message must be the assistant's")
+        if len(msgs) < 2:
+            raise DataFormatError(f"{where}: row {i}: field 'messages': the assistant's message needs a message "
+                                  "before it to answer (a prompt)")
         row = {**row, "messages": [{**m, "content": _content_text(m["content"], where, i, j)}
                                    for j, m in enumerate(msgs)]}
-        if not row["messages"][-1]["content"]:
+        if not row["messages"][-1]["content"].strip():
             raise DataFormatError(f"{where}: row {i}: field 'messages': the assistant's message is empty")
     else:
         for key in ("prompt", "response"):
-            if not isinstance(row.get(key), str) or not row[key]:
+            if not isinstance(row.get(key), str) or not row[key].strip():
                 raise DataFormatError(f"{where}: row {i}: field '{key}': expected a non-empty string")
     steps = row.get("step_map")
     if steps is not None and (not isinstance(steps, list) or not all(type(s) is int and s >= 0 for s in steps)):
@@ -195,6 +199,9 @@ def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajec
         closing = tok.convert_ids_to_tokens(end)
         if closing and text.rstrip().endswith(closing):  # closed in the text: the turn end itself, not its spelling
             text = text.rstrip()[:-len(closing)]
+            if not text.strip():
+                raise DataFormatError(f"{where}: row {i}: the response is only the turn end {closing!r}: nothing to "
+                                      "train on")
         resp = adapter.encode_text(text)
         if steps is not None and min(steps, default=1) == 0:  # snapshot indices from 0 (Dream / LLaDA samplers)
             steps = [s + 1 for s in steps]

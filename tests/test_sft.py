@@ -384,12 +384,25 @@ def test_a_datasets_folder_gives_the_same_samples_as_its_jsonl(tiny, tmp_path):
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
       "step_map": ["1", "2"]}, "field 'step_map': expected a list of non-negative integers"),
     ({"prompt": "Hi", "response": "Hello", "step_map": [1.5, 2.0]}, "field 'step_map'"),
+    ({"messages": [{"role": "assistant", "content": "Hello"}]}, "needs a message before it to answer"),
+    ({"messages": [{"role": 1, "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}, "string roles"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " \n"}]},
+     "the assistant's message is empty"),
+    ({"prompt": "Hi", "response": "  \n\t"}, "field 'response': expected a non-empty string"),
 ])
 def test_malformed_rows_are_one_line_errors_naming_the_row(tmp_path, row, expect):
     (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "ok", "response": "ok"}) + "\n" + json.dumps(row))
     with pytest.raises(DataFormatError, match="row 1: field") as err:
         read_rows(str(tmp_path / "d.jsonl"))
     assert expect in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_response_that_is_only_the_turn_end_is_refused(tiny):
+    adapter = tiny("sdar")
+    closing = adapter.tokenizer.convert_ids_to_tokens(turn_end_id(adapter))
+    with pytest.raises(DataFormatError, match=f"d.jsonl: row 1: the response is only the turn end '{closing}'"):
+        build_samples([{"prompt": "Hi", "response": "Hello"}, {"prompt": "Hi", "response": f" {closing}\n"}],
+                      adapter, "d.jsonl")
 
 
 def test_chat_contents_as_text_parts_and_step_maps_with_or_without_the_turn_end(tiny, tmp_path):
