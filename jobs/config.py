@@ -40,6 +40,7 @@ from train.algorithms import (
     family_refusal,
     ignored_setting_refusal,
     rl_refusal,
+    unread_view_notes,
     value_model_refusal,
 )
 from train.settings import (
@@ -437,11 +438,7 @@ class RLConfig(Settings):
         t = self.training
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
-        defaults = {f.name: f.default for f in dataclasses.fields(t)}
-        changed = {k: getattr(t, k) for k in CHECKED_KEYS if getattr(t, k) != defaults[k]}
-        key, refusal = ignored_setting_refusal(t.method, changed)
-        if refusal:
-            raise SettingError(f"training.{key}", refusal)
+        refuse_ignored_settings(t, t.method)
         if self.reward.advantage is None:
             self.reward.advantage = default_advantage(self.training.method)
         if advantage_refusal(self.training.method, self.reward.advantage):
@@ -485,11 +482,29 @@ class SFTConfig(Settings):
 
     def validate(self) -> None:
         super().validate()
-        full = ATTENTION_OF[self.model.model_base] == "full"
-        if full and self.training.view_method("full") == "semi_ar" and self.training.block_size is None:
+        t, attention = self.training, ATTENTION_OF[self.model.model_base]
+        semi_ar = t.view_method(attention) == "semi_ar"
+        if attention == "full" and semi_ar and t.block_size is None:
             raise SettingError("training.block_size", f"semi-ar SFT of {self.model.model_base} (full attention) "
                                "trains one response block at a time and needs training.block_size (e.g. 32; the "
                                "reference's Dream / LLaDA recipes), or another training.method")
+        if attention == "full" and not semi_ar and t.block_size is not None:
+            raise SettingError("training.block_size", f"training.block_size {t.block_size} has no effect on "
+                               f"{self.model.model_base} (full attention) with training.method {t.method!r}: only "
+                               "semi-ar trains it block by block")
+        refuse_ignored_settings(t, t.view_method(attention))
+
+
+def refuse_ignored_settings(t: Any, method: str) -> None:
+    """Refuse a ``training`` loss key set away from its default that ``method``'s loss never reads; note the view
+    keys its rows never read."""
+    defaults = {f.name: f.default for f in dataclasses.fields(t)}
+    changed = {k: getattr(t, k) for k in CHECKED_KEYS if k in defaults and getattr(t, k) != defaults[k]}
+    key, refusal = ignored_setting_refusal(method, changed)
+    if refusal:
+        raise SettingError(f"training.{key}", refusal)
+    for line in unread_view_notes(method, changed):
+        print(line, file=sys.stderr, flush=True)
 
 
 SCHEMAS: dict[str, type] = {"rl": RLConfig, "eval": EvalConfig, "sft": SFTConfig, "serve": ServeConfig}

@@ -357,6 +357,25 @@ def test_semi_ar_sft_of_a_full_attention_model_needs_a_block_size_at_load(tmp_pa
     assert load_config([f"config={path}", "training.block_size=32"], "sft", stream=io.StringIO())
     assert load_config([f"config={path}", "training.method=random_masking"], "sft", stream=io.StringIO())
     assert load_config([f"config={path}", "model.model_base=sdar"], "sft", stream=io.StringIO())  # its own blocks
+    assert ("key 'training.block_size': training.block_size 32 has no effect on dream (full attention) with "
+            "training.method 'ar'") in _error([f"config={path}", "training.method=ar", "training.block_size=32"], "sft")
+
+
+def test_view_keys_the_method_never_reads_are_noted(tmp_path, capsys):
+    sft = _write(tmp_path, "model: {pretrained_model: m, model_base: sdar}\n"
+                           "dataset: {optimization_data: builtin:arithmetic}\n", "sft_job.yaml")
+    load_config([f"config={sft}", "training.method=trace", "training.lower_p=0.3"], "sft", stream=io.StringIO())
+    assert capsys.readouterr().err.strip() == ("note: training.lower_p 0.3 has no effect with training.method "
+                                               "'TraceRL': its rows do not read it (read by random_masking, coupled, "
+                                               "coupled-GRPO, semi_ar)")
+    load_config([f"config={sft}", "training.shrink=2"], "sft", stream=io.StringIO())  # semi-ar: random masking
+    assert "training.shrink 2 has no effect with training.method 'random_masking'" in capsys.readouterr().err
+    rl = _write(tmp_path, MINIMAL_RL)
+    load_config([f"config={rl}", "training.mask_times_per_sample=4"], "rl", stream=io.StringIO())
+    assert "training.mask_times_per_sample 4 has no effect with training.method 'TraceRL'" in capsys.readouterr().err
+    load_config([f"config={rl}", "training.method=bgpo", "training.mask_times_per_sample=4"], "rl",
+                stream=io.StringIO())
+    assert capsys.readouterr().err == ""
 
 
 def test_a_number_given_to_a_text_key_keeps_the_text_as_written(tmp_path):

@@ -139,6 +139,12 @@ def test_semi_ar_and_ar_views_of_full_attention_models(tiny):
     assert batch.input_ids[0, 3:].tolist() == [mask] * 5
     assert batch.input_ids[1, 3:].tolist() == [20, 21, mask, mask, mask]
     assert batch.input_ids[2, 3:].tolist() == [20, 21, 22, 23, mask]
+    twice = SFTTrainer(dream, SFTTrainingConfig(method="semi-ar", lower_p=1.0, upper_p=1.0, samples_per_step=None,
+                                                mask_times_per_sample=2), OptimizerParams(),
+                       accelerator=build_accelerator())
+    doubled = build_view([sample], {"a": 1.0}, twice.cfg, twice.traits)  # every block drawn twice, block by block
+    assert doubled.num_rows == 6
+    assert doubled.input_ids[:, 3:].tolist() == [row for row in batch.input_ids[:, 3:].tolist() for _ in (0, 1)]
     ar = SFTTrainer(dream, SFTTrainingConfig(method="ar", samples_per_step=None), OptimizerParams(),
                     accelerator=build_accelerator())
     batch = build_view([sample], {"a": 1.0}, ar.cfg, ar.traits)

@@ -35,42 +35,54 @@ class Entry:
     # term, or its own penalty), eps / eps_high (no clip); setting them is refused, never silently ignored
     ignores: tuple[str, ...] = ()
     own: tuple[str, ...] = ()  # keys only this method reads (OWN_KEYS): refused for every other method
+    reads: tuple[str, ...] = ()  # the VIEW_KEYS its rows read (set away from the default, the others are refused)
 
 
 _OWN_LOSS = ("ratio_level", "loss_norm")  # a sequence-level objective normalised in its own way
 _NO_KL = ("beta", "ref_beta", "use_kl_estimator_k3")  # no KL term to the old policy or the reference
 _NO_CLIP = ("eps", "eps_high")  # no clipped ratio
 
+# view keys only some algorithms' rows read: the trace's step merging, the random-masking ratio range and mode,
+# the Monte-Carlo draws per sample
+VIEW_KEYS = ("shrink", "lower_p", "upper_p", "random_mask_mode", "mask_times_per_sample")
+_TRACE = ("shrink",)
+_RANDOM = ("lower_p", "upper_p", "random_mask_mode", "mask_times_per_sample")
+_DRAWS = ("mask_times_per_sample",)
+
 REGISTRY: dict[str, Entry] = {
-    "tracerl": Entry("train.algorithms.tracerl", aliases=("trace_rl",), value_model=True, display="TraceRL"),
-    "random_masking": Entry("train.algorithms.random_masking", elbo_weight=True),
-    "coupled": Entry("train.algorithms.coupled", elbo_weight=True),
-    "cj_grpo": Entry("train.algorithms.cj_grpo", aliases=("cj-grpo",), display="CJ-GRPO", advantages=("dr_grpo",)),
+    "tracerl": Entry("train.algorithms.tracerl", aliases=("trace_rl",), value_model=True, display="TraceRL",
+                      reads=_TRACE),
+    "random_masking": Entry("train.algorithms.random_masking", elbo_weight=True, reads=_RANDOM),
+    "coupled": Entry("train.algorithms.coupled", elbo_weight=True, reads=_RANDOM),
+    "cj_grpo": Entry("train.algorithms.cj_grpo", aliases=("cj-grpo",), display="CJ-GRPO", advantages=("dr_grpo",),
+                     reads=_TRACE),
     "diffu_grpo": Entry("train.algorithms.diffu_grpo", aliases=("d1", "diffu-grpo"), display="diffu-GRPO",
                         advantages=("dr_grpo",), elbo_weight=True),
     "wd1": Entry("train.algorithms.wd1", advantages=("dr_grpo",), ignores=("ratio_level", *_NO_KL, *_NO_CLIP)),
     "coupled_grpo": Entry("train.algorithms.coupled_grpo", aliases=("coupled-grpo",), display="coupled-GRPO",
-                          advantages=("rloo", "dr_grpo"), ignores=("ratio_level",)),
+                          advantages=("rloo", "dr_grpo"), ignores=("ratio_level",),
+                          reads=("lower_p", "upper_p", "mask_times_per_sample")),
     "spg": Entry("train.algorithms.spg", display="SPG", advantages=("dr_grpo",),
-                 ignores=(*_OWN_LOSS, *_NO_KL, *_NO_CLIP), own=("eubo_beta", "eubo_weight")),
-    "bgpo": Entry("train.algorithms.bgpo", display="BGPO", ignores=(*_OWN_LOSS, *_NO_KL), own=("dual_clip",)),
+                 ignores=(*_OWN_LOSS, *_NO_KL, *_NO_CLIP), own=("eubo_beta", "eubo_weight"), reads=_DRAWS),
+    "bgpo": Entry("train.algorithms.bgpo", display="BGPO", ignores=(*_OWN_LOSS, *_NO_KL), own=("dual_clip",),
+                   reads=_DRAWS),
     # ESPO's reference penalty is quadratic (no KL estimator); EBPO's is k3 or k1 of the ELBOs
     "espo": Entry("train.algorithms.espo", display="ESPO", advantages=("rloo", "dr_grpo"),
-                  ignores=(*_OWN_LOSS, "beta", "use_kl_estimator_k3")),
+                  ignores=(*_OWN_LOSS, "beta", "use_kl_estimator_k3"), reads=_DRAWS),
     # VRPO's reference enters its DPO margin, always (no ref_beta weight)
     "vrpo": Entry("train.algorithms.vrpo", display="VRPO", ignores=(*_OWN_LOSS, *_NO_KL, *_NO_CLIP),
-                  own=("preference_beta",)),
+                  own=("preference_beta",), reads=_DRAWS),
     "ebpo": Entry("train.algorithms.ebpo", display="EBPO", attention=("block",),
                   why="it noises every block on its own in one block-causal forward (use espo or bgpo)",
-                  ignores=(*_OWN_LOSS, "beta")),
-    "semi_ar": Entry("train.algorithms.semi_ar", rl=False, elbo_weight=True),
+                  ignores=(*_OWN_LOSS, "beta"), reads=_DRAWS),
+    "semi_ar": Entry("train.algorithms.semi_ar", rl=False, elbo_weight=True, reads=_RANDOM),
     "ar": Entry("train.algorithms.ar", rl=False),
 }
 
 OWN_KEYS = {key: name for name, entry in REGISTRY.items() for key in entry.own}
 # the training keys whose setting a method may not read (jobs/config.py refuses them when set away from the default)
 CHECKED_KEYS = ("ratio_level", "loss_norm", "beta", "ref_beta", "use_kl_estimator_k3", "eps", "eps_high",
-                *OWN_KEYS)
+                *OWN_KEYS, *VIEW_KEYS)
 METHODS = tuple(REGISTRY)
 RL_METHODS = tuple(name for name, entry in REGISTRY.items() if entry.rl)
 _BY_SPELLING = {spelling: name for name, entry in REGISTRY.items() for spelling in (name, *entry.aliases)}
@@ -136,6 +148,15 @@ def ignored_setting_refusal(method: str, settings: dict[str, object]) -> tuple[s
             return key, (f"training.{key} {value!r} has no effect with training.method "
                          f"{entry.display or method!r}: only {owner.display or OWN_KEYS[key]}'s loss reads it")
     return "", ""
+
+
+def unread_view_notes(method: str, settings: dict[str, object]) -> list[str]:
+    """Notes for the VIEW_KEYS of ``settings`` (set away from the default) that ``method``'s rows never read: a
+    notice, not a refusal, since the reference's files set them for whichever method a run switches to."""
+    entry = REGISTRY[method]
+    return [f"note: training.{key} {value!r} has no effect with training.method {entry.display or method!r}: its "
+            f"rows do not read it (read by {', '.join(e.display or n for n, e in REGISTRY.items() if key in e.reads)})"
+            for key, value in settings.items() if key in VIEW_KEYS and key not in entry.reads]
 
 
 def advantage_refusal(method: str, advantage: str) -> str:
