@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from data.puzzles import countdown_task, sudoku_task
+from data.puzzles import SplitTooSmall, countdown_task, sudoku_task
 from data.tasks import arithmetic_task, code_task, word_problem_task
 
 __all__ = ["BUILTIN", "BUILTIN_SIZE", "SFT_ANSWER", "builtin_kind", "builtin_tasks", "builtin_sft_rows", "sft_names"]
@@ -45,7 +45,10 @@ def builtin_tasks(name: str, n: int | None = None, seed: int = 0, difficulty: in
     make = BUILTIN[name][1]
     if difficulty is not None and name == "builtin:arithmetic":
         make = functools.partial(make, difficulty=difficulty)
-    return make(n or BUILTIN_SIZE, seed=seed)
+    try:
+        return make(n or BUILTIN_SIZE, seed=seed)
+    except SplitTooSmall as err:
+        raise SplitTooSmall(f"{name}: {err}") from None
 
 
 def sft_names() -> list[str]:

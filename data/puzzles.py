@@ -21,7 +21,7 @@ import itertools
 import random
 from fractions import Fraction
 
-from data.formats import validate_rows
+from data.formats import DataFormatError, validate_rows
 
 HELD_OUT_EVERY = 5  # one instance in five is held out
 
@@ -31,22 +31,30 @@ def in_held_out(key: str) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
 
 
+class SplitTooSmall(DataFormatError):
+    """More instances asked of a split than it holds."""
+
+
+EXHAUSTED_AFTER = 20_000  # draws in a row without a new instance: the split holds no more (a small task's)
+
+
 def draw_split(n: int, seed: int, split: str, name: str, make) -> list[dict]:
     """``n`` distinct instances of ``split`` from ``make(rng)`` -> (key, row)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"{name}-{seed}-{split}")
-    rows, seen = [], set()
-    for _ in range(200 * n + 1000):
-        if len(rows) == n:
-            break
+    rows, seen, misses = [], set(), 0
+    while len(rows) < n and misses < EXHAUSTED_AFTER:
         key, row = make(rng)
         if key in seen or in_held_out(key) != (split == "test"):
+            misses += 1
             continue
         seen.add(key)
         rows.append(row)
+        misses = 0
     if len(rows) < n:
-        raise ValueError(f"could not draw {n} distinct {name} instances of the {split} split")
+        raise SplitTooSmall(f"the {split} split holds {len(rows)} distinct instances, fewer than the {n} asked for: "
+                            "lower builtin_size")
     return validate_rows(rows, "math", f"builtin:{name}")
 
 

@@ -463,8 +463,18 @@ class SFTDatasetConfig(Settings):
 
     PATH_FIELDS = ("optimization_data",)
     optimization_data: str = required()
-    builtin_size: int = bounded(2000, 1)  # rows of a built-in dataset
-    builtin_difficulty: int = bounded(1, 1)  # data/tasks.py arithmetic difficulty
+    builtin_size: int | None = bounded(None, 1)  # rows of a built-in dataset (null: 2000)
+    builtin_difficulty: int | None = bounded(None, 1)  # data/tasks.py difficulty of builtin:arithmetic (null: 1)
+
+    def validate(self) -> None:
+        super().validate()
+        builtin = self.optimization_data.startswith("builtin:")
+        if self.builtin_size is not None and not builtin:
+            raise SettingError("builtin_size", f"builtin_size applies to built-in datasets only, not to "
+                                               f"{self.optimization_data!r} (a file's rows are all used): remove it")
+        if self.builtin_difficulty is not None and self.optimization_data != "builtin:arithmetic":
+            raise SettingError("builtin_difficulty", "builtin_difficulty applies to builtin:arithmetic only, not to "
+                                                     f"{self.optimization_data!r}: remove it")
 
 
 @dataclass

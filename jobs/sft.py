@@ -300,7 +300,8 @@ class SFTJob:
     def _samples(self) -> list[Trajectory]:
         d, t = self.cfg.dataset, self.cfg.training
         if d.optimization_data.startswith("builtin:"):
-            rows = builtin_rows(d.optimization_data, d.builtin_size, self.cfg.experiment.seed, d.builtin_difficulty)
+            rows = builtin_rows(d.optimization_data, d.builtin_size or 2000, self.cfg.experiment.seed,
+                                d.builtin_difficulty or 1)
         else:
             rows = read_rows(d.optimization_data)
         samples = build_samples(rows, self.adapter, d.optimization_data)

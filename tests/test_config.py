@@ -361,6 +361,19 @@ def test_semi_ar_sft_of_a_full_attention_model_needs_a_block_size_at_load(tmp_pa
             "training.method 'ar'") in _error([f"config={path}", "training.method=ar", "training.block_size=32"], "sft")
 
 
+def test_sft_builtin_keys_apply_to_the_datasets_that_read_them(tmp_path):
+    path = _write(tmp_path, "model: {pretrained_model: m, model_base: sdar}\n"
+                            "dataset: {optimization_data: data/mine.jsonl}\n", "sft_job.yaml")
+    assert "key 'dataset.builtin_size': builtin_size applies to built-in datasets only, not to" in _error(
+        [f"config={path}", "dataset.builtin_size=10"], "sft")
+    assert "key 'dataset.builtin_difficulty': builtin_difficulty applies to builtin:arithmetic only, not to " \
+           "'builtin:countdown2'" in _error([f"config={path}", "dataset.optimization_data=builtin:countdown2",
+                                             "dataset.builtin_difficulty=2"], "sft")
+    cfg = load_config([f"config={path}", "dataset.optimization_data=builtin:arithmetic",
+                       "dataset.builtin_difficulty=2", "dataset.builtin_size=10"], "sft", stream=io.StringIO())
+    assert (cfg.dataset.builtin_size, cfg.dataset.builtin_difficulty) == (10, 2)
+
+
 def test_view_keys_the_method_never_reads_are_noted(tmp_path, capsys):
     sft = _write(tmp_path, "model: {pretrained_model: m, model_base: sdar}\n"
                            "dataset: {optimization_data: builtin:arithmetic}\n", "sft_job.yaml")

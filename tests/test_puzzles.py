@@ -75,6 +75,16 @@ def test_held_out_splits_are_disjoint_and_seeded():
         5, seed=5)
 
 
+def test_asking_a_split_for_more_than_it_holds_is_a_one_line_error():
+    from data.builtin import builtin_tasks
+    from data.formats import DataFormatError
+
+    assert len(builtin_tasks("builtin:countdown2", 513)) == 513  # every two-number training instance
+    with pytest.raises(DataFormatError, match=r"^builtin:countdown2_test: the test split holds 141 distinct instances, "
+                                              r"fewer than the 142 asked for: lower builtin_size$"):
+        builtin_tasks("builtin:countdown2_test", 142)
+
+
 @pytest.mark.parametrize("task", ["countdown", "sudoku"])
 def test_an_rl_step_on_a_puzzle_scores_with_its_verifier(tmp_path, demo_tokenizer, task):
     from jobs.config import load_config
