@@ -502,6 +502,9 @@ class SFTConfig(Settings):
             raise SettingError("training.block_size", f"training.block_size {t.block_size} has no effect on "
                                f"{self.model.model_base} (full attention) with training.method {t.method!r}: only "
                                "semi-ar trains it block by block")
+        if t.post_num:
+            raise SettingError("training.post_num", "training.post_num trains pad tokens after an RL rollout's stop "
+                               "token; SFT responses end at their turn end and have none: remove it")
         refuse_ignored_settings(t, t.view_method(attention))
 
 

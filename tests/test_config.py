@@ -372,6 +372,8 @@ def test_sft_builtin_keys_apply_to_the_datasets_that_read_them(tmp_path):
     cfg = load_config([f"config={path}", "dataset.optimization_data=builtin:arithmetic",
                        "dataset.builtin_difficulty=2", "dataset.builtin_size=10"], "sft", stream=io.StringIO())
     assert (cfg.dataset.builtin_size, cfg.dataset.builtin_difficulty) == (10, 2)
+    assert "key 'training.post_num': training.post_num trains pad tokens after an RL rollout's stop token" in _error(
+        [f"config={path}", "training.post_num=2"], "sft")
 
 
 def test_view_keys_the_method_never_reads_are_noted(tmp_path, capsys):

@@ -540,3 +540,12 @@ def test_annealed_steps_reach_the_forward_through_the_micro_batches(tiny, monkey
     draws = {width: extra for extra, width in seen}
     assert all(extra is not None and extra.shape == (width, width) for extra, width in seen)
     torch.testing.assert_close(draws[3], draws[9][:3, :3])  # one draw for the step, cut per micro-batch
+
+
+def test_gradient_accumulation_steps_without_deepspeed_is_noted(capsys):
+    from train.trainer import accelerator_for
+
+    accelerator_for(SFTTrainingConfig(gradient_accumulation_steps=4))
+    assert "note: training.gradient_accumulation_steps 4 has no effect without DeepSpeed" in capsys.readouterr().out
+    assert accelerator_for(SFTTrainingConfig()).gradient_accumulation_steps == 1  # and the next one is plain again
+    assert "gradient_accumulation_steps" not in capsys.readouterr().out

@@ -94,7 +94,8 @@ class TrainerSettings(Seeded):
     """The optimisation loop shared by every trainer."""
 
     gradient_checkpointing_enable: bool = False
-    gradient_accumulation_steps: int = bounded(1, 1)  # configures accelerate / DeepSpeed; divided exactly once
+    # DeepSpeed's accumulation count (its loss division undone: divided exactly once); no effect without it (noted)
+    gradient_accumulation_steps: int = bounded(1, 1)
     batch_size_lm: int = bounded(1, 1)  # rows per forward (per process)
     samples_per_step: int | None = bounded(None, 1)  # samples per optimiser step and process (null = all)
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"

@@ -473,6 +473,12 @@ def accelerator_for(cfg: TrainerSettings) -> Any:
     gradient clipping."""
     from train.accelerator import build_accelerator
 
-    return build_accelerator(mixed_precision=cfg.mixed_precision,
-                             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                             micro_batch_size=cfg.batch_size_lm, max_grad_norm=cfg.max_grad_norm)
+    acc = build_accelerator(mixed_precision=cfg.mixed_precision,
+                            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                            micro_batch_size=cfg.batch_size_lm, max_grad_norm=cfg.max_grad_norm)
+    if cfg.gradient_accumulation_steps != 1 and acc.distributed_type != "DEEPSPEED" and acc.is_main_process:
+        # the reference's files set it for DeepSpeed; here every optimiser step accumulates all its micro-batches
+        print(f"note: training.gradient_accumulation_steps {cfg.gradient_accumulation_steps} has no effect without "
+              "DeepSpeed: an optimiser step accumulates the micro-batches of all its samples (samples_per_step rows "
+              "in forwards of batch_size_lm)", flush=True)
+    return acc
