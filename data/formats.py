@@ -164,8 +164,12 @@ def load_dataset_file(path: str | Path, kind: str) -> list[dict]:
 
 
 def save_dataset_file(rows: Sequence[Mapping], path: str | Path, kind: str) -> Path:
-    """Validate and write rows as a JSON list (atomically: temp file + rename)."""
+    """Validate and write rows (atomically: temp file + rename): one JSON object per line for a ``.jsonl`` path,
+    else a JSON list."""
     path = Path(path)
     valid = validate_rows(rows, kind, str(path))
-    write_atomic(path, json.dumps(valid, ensure_ascii=False, indent=1))
+    if path.suffix == ".jsonl":
+        write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in valid))
+    else:
+        write_atomic(path, json.dumps(valid, ensure_ascii=False, indent=1))
     return path

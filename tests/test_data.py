@@ -89,6 +89,9 @@ def test_infer_kind_and_save_roundtrip(tmp_path):
     assert [row_kind(r) for r in (MATH_ROW, FN_ROW, {"prompt": "p", "response": "r"})] == ["math", "code", "sft"]
     path = save_dataset_file([STDIO_ROW], tmp_path / "sub" / "x.json", "code")
     assert load_dataset_file(path, "code") == [STDIO_ROW]
+    lines = save_dataset_file([MATH_ROW, MATH_ROW], tmp_path / "z.jsonl", "math")
+    assert [json.loads(x) for x in lines.read_text().splitlines()] == [MATH_ROW, MATH_ROW]  # JSON Lines: a row a line
+    assert load_dataset_file(lines, "math") == [MATH_ROW, MATH_ROW]
     with pytest.raises(DataFormatError):
         save_dataset_file([{"question": "q"}], tmp_path / "y.json", "math")
     assert not (tmp_path / "y.json").exists()
