@@ -1,7 +1,8 @@
 """serve.py's HTTP layer: OpenAI-compatible routes over one :class:`ServeEngine` (jobs/serve_engine.py).
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (raw prompt text or token ids),
-``POST /v1/chat/completions`` (messages rendered with the model's chat template, as eval.py renders prompts).
+Routes: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions`` (raw prompt text
+or token ids), ``POST /v1/chat/completions`` (messages rendered with the model's chat template, as eval.py renders
+prompts).
 Request fields: OpenAI's ``model, max_tokens (max_completion_tokens), temperature, top_p, n, stop, seed, stream,
 stream_options``, plus ``top_k`` and the dLLM settings (the openai client sends them with ``extra_body``):
 ``block_size`` (alias ``block_length``), ``denoising_steps``, ``remasking_strategy``, ``dynamic_threshold``
@@ -9,8 +10,8 @@ stream_options``, plus ``top_k`` and the dLLM settings (the openai client sends 
 (each choice also carries ``token_ids`` and ``step_map``: the step at which each token was committed, to replay
 the decoding order). Unset fields take the server's ``rollout`` settings. Errors have OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (named in ``param`` and the message),
-401 without the API key, 404 for an unknown model, 503 when the queue is full, 500 when sampling failed or the
-server shut down.
+401 without the API key, 404 for an unknown model or route, 503 when the queue is full or the server is shutting
+down, 500 when sampling failed (type ``server_error`` for 5xx, ``invalid_request_error`` for the rest).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import UserError
 from jobs.serve_engine import ChoiceResult, RequestError, ServeEngine
@@ -115,15 +117,31 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
     async def on_crash(_: Request, err: Exception) -> JSONResponse:
         return _error(500, f"internal error: {type(err).__name__}: {err}", None, "server_error")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:  # unknown route, 405, ...
+        return _error(err.status_code, str(err.detail), None)
+
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", **engine.load()}
+    async def health() -> JSONResponse:
+        load = engine.load()
+        closed = load.pop("closed")
+        return JSONResponse({"status": "shutting down" if closed else "ok", **load}, status_code=503 if closed else 200)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "dllm-rl",
+                "max_model_len": engine.limit}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         authorize(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "dllm-rl", "max_model_len": engine.limit}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        authorize(request)
+        if model_id != model_name:
+            raise RequestError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
@@ -161,6 +179,9 @@ def _completion_prompts(adapter: Adapter, prompt: Any) -> list[list[int]]:
     out = []
     for p in prompt:
         ids = list(adapter.tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str) else list(p)
+        if not ids:  # nothing to condition on: a model answers no question it was not asked
+            raise RequestError(400, f"prompt {len(out)} is empty" if len(prompt) > 1 else "prompt must not be empty",
+                               "prompt")
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
         out.append(ids)
@@ -376,8 +397,12 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
-    code = {401: "invalid_api_key", 404: "model_not_found", 503: "server_busy"}.get(status)
+def _error(status: int, message: str, param: str | None, kind: str | None = None) -> JSONResponse:
+    """OpenAI's error body: a client's mistake is an invalid_request_error, the server's (5xx) a server_error."""
+    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    code = {401: "invalid_api_key", 503: "server_busy"}.get(status)
+    if status == 404 and param == "model":
+        code = "model_not_found"
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status)
 

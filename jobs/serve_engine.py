@@ -237,6 +237,8 @@ class ServeEngine:
         if params.seed is not None:  # its own batch and generator: the tokens of generate() with that seed
             key += (("request", request_id),)
         with self._cond:
+            if self._closed:  # no driver would ever step it: the request would wait forever
+                raise RequestError(503, "the server is shutting down")
             group = self._groups.get(key) or self._new_group(key, group_params)
             budgets = [self._budget(group, p, params.max_tokens) for p in prompts]
             wanted = len(prompts) * n
@@ -267,7 +269,8 @@ class ServeEngine:
         """Sequences running, waiting and settings groups (for /health)."""
         with self._cond:
             running = sum(len(g.engine.sampler.running) for g in self._groups.values())
-            return {"running": running, "waiting": len(self._choices) - running, "groups": len(self._groups)}
+            return {"running": running, "waiting": len(self._choices) - running, "groups": len(self._groups),
+                    "closed": self._closed}
 
     def close(self) -> None:
         """Stop driving; requests still running or waiting end with an error event (their streams close)."""

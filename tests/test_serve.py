@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -250,6 +251,15 @@ def test_bad_requests_get_4xx_naming_the_field(server):
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
     resp = httpx.post(f"{url}/v1/completions", json={"model": "tiny"}, timeout=10)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    for empty, message in (("", "prompt must not be empty"), ([[]], "prompt must not be empty"),
+                           (["a", ""], "prompt 1 is empty")):
+        with pytest.raises(openai.BadRequestError, match=message) as err:
+            client.completions.create(model="tiny", prompt=empty, max_tokens=4)
+        assert err.value.body["param"] == "prompt"
+    for method, route, status in (("GET", "/v1/nowhere", 404), ("DELETE", "/v1/models", 405)):
+        resp = httpx.request(method, f"{url}{route}", timeout=10)
+        error = resp.json()["error"]
+        assert resp.status_code == status and error["type"] == "invalid_request_error" and error["message"]
     assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
     assert chat(client, "still alive?", max_tokens=4).choices[0].message.content is not None
 
@@ -282,8 +292,31 @@ def test_api_key_and_models(sdar):
                 openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0)
             assert [m.id for m in client.models.list().data] == ["tiny"]
+            assert client.models.retrieve("tiny").id == "tiny"
+            with pytest.raises(openai.NotFoundError) as err:
+                client.models.retrieve("other")
+            assert err.value.body["code"] == "model_not_found"
     finally:
         engine.close()
+
+
+def test_a_request_after_shutdown_is_refused_at_once(sdar):
+    from jobs.serve_engine import RequestError
+
+    engine = ServeEngine(sdar, SamplingParams(**DEFAULTS))
+    app = build_app(engine, "tiny")
+    engine.close()
+    with background_server(app) as url:
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "shutting down"
+        resp = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                          timeout=10)
+        assert resp.status_code == 503 and resp.json()["error"] == {
+            "message": "the server is shutting down", "type": "server_error", "param": None, "code": "server_busy"}
+    loop = asyncio.new_event_loop()
+    with pytest.raises(RequestError, match="shutting down"):
+        engine.submit("r", [[5]], 1, SamplingParams(**DEFAULTS), [], False, False, loop)
+    loop.close()
 
 
 def test_fixed_capacity_cache_group_serves_on_cpu(sdar):
