@@ -30,7 +30,8 @@ class SamplingParams(Settings):
     score of candidates equal to the pad id).
 
     Stops: EOS ids always stop (unless ``ignore_eos``); ``stop_token_ids=None`` adds the adapter's default
-    stop ids (EOS + the chat turn end), a list replaces them; ``stop`` strings must each encode to one token.
+    stop ids (EOS + the chat turn end), a list replaces them (its ids stop even under ``ignore_eos``); ``stop``
+    strings must each encode to one token.
 
     ``block_size``: block models decode blocks of this size at absolute positions (None = the model's own);
     full-attention models decode semi-autoregressive blocks of this size (None = 32). ``denoising_steps`` per
@@ -158,10 +159,10 @@ class SamplingParams(Settings):
 
     def stop_ids(self, tokenizer: Any, eos_ids: tuple[int, ...], default_stop_ids: tuple[int, ...]) -> set[int]:
         """The set of token ids that end a response (EOS, stop ids, single-token stop strings)."""
-        ids = set() if self.ignore_eos else set(eos_ids)
-        ids |= set(default_stop_ids if self.stop_token_ids is None else self.stop_token_ids)
-        if self.ignore_eos:
-            ids -= set(eos_ids)
+        if self.stop_token_ids is not None:  # asked for by name: they stop even under ignore_eos (as in vLLM)
+            ids = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+        else:  # ignore_eos ignores the model's own ends, a turn end among its default stops too
+            ids = set(default_stop_ids) - set(eos_ids) if self.ignore_eos else set(eos_ids) | set(default_stop_ids)
         for text in self.stop:
             ids.add(_single_token_id(tokenizer, text))
         return ids

@@ -140,5 +140,7 @@ def test_params_defaults_and_stop_ids(demo_tokenizer):
     assert p.stop_ids(demo_tokenizer, (eos,), (eos, im_end)) == {eos, im_end}
     assert SamplingParams(stop_token_ids=[]).stop_ids(demo_tokenizer, (eos,), (eos, im_end)) == {eos}
     assert SamplingParams(ignore_eos=True).stop_ids(demo_tokenizer, (eos,), (eos, im_end)) == {im_end}
+    # an EOS asked for by name in stop_token_ids stops even under ignore_eos (vLLM's rule)
+    assert SamplingParams(ignore_eos=True, stop_token_ids=[eos]).stop_ids(demo_tokenizer, (eos,), (im_end,)) == {eos}
     assert SamplingParams(stop="<think>", stop_token_ids=[]).stop_ids(demo_tokenizer, (eos,), ()) == {
         eos, demo_tokenizer.convert_tokens_to_ids("<think>")}
