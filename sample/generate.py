@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from numbers import Integral
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -39,19 +40,36 @@ def encode_prompt(adapter: Adapter, prompt: Prompt) -> list[int]:
     """Token ids of a prompt given as ids, as one user turn (str), or as chat messages (list of dicts)."""
     if isinstance(prompt, torch.Tensor):
         return [int(t) for t in prompt.reshape(-1).tolist()]
-    if isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], dict)):
+    ids = list(prompt) if hasattr(prompt, "__iter__") and not isinstance(prompt, (str, dict)) else None
+    if isinstance(prompt, str) or (ids and isinstance(ids[0], dict)):
         if adapter.tokenizer is None:
             raise ValueError("chat prompts need a tokenizer on the adapter; pass token ids instead")
         return adapter.encode_chat(prompt)
-    return [int(t) for t in prompt]
+    if ids is None or not all(isinstance(t, Integral) for t in ids):
+        raise TypeError(f"a prompt is a text, a list of token ids or a list of chat messages; got "
+                        f"{type(prompt).__name__}{' holding ' + type(ids[0]).__name__ if ids else ''}")
+    return [int(t) for t in ids]
 
 
-def generate(adapter: Adapter, prompts: Sequence[Prompt] | str, params: SamplingParams | None = None,
+def _one_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() not in (1, 2):
+            raise ValueError(f"prompts as a tensor: one prompt (1-D) or one per row (2-D), got {prompts.dim()}-D")
+        return prompts.dim() == 1
+    if isinstance(prompts, str):
+        return True
+    first = next(iter(prompts), None)
+    return isinstance(first, (Integral, dict))
+
+
+def generate(adapter: Adapter, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | None = None,
              progress: bool = True) -> Rollout:
     """Sample one response per prompt with any adapter (block or full attention); see sample/*_sampler.py."""
     params = params or SamplingParams()
     params.check_for(adapter)  # settings this model cannot honour are refused, never silently ignored
-    if isinstance(prompts, str):
+    if isinstance(prompts, Iterator):  # looked at twice below
+        prompts = list(prompts)
+    if _one_prompt(prompts):  # a text, a 1-D tensor or list of ids, or one chat's messages: a batch of one
         prompts = [prompts]
     ids = [encode_prompt(adapter, p) for p in prompts]
     stop_ids = params.stop_ids(adapter.tokenizer, tuple(adapter.eos_ids), tuple(adapter.stop_ids))

@@ -302,6 +302,15 @@ def test_empty_prompt_and_chat_prompts(sdar):
     stats = out.stats
     assert stats.generated_tokens == 12 and stats.tokens_per_second > 0
     assert stats.tokens_per_forward == pytest.approx(12 / stats.forwards)
+    ids = sdar.encode_chat("hello")
+    for one in (ids, torch.tensor(ids), [{"role": "user", "content": "hello"}]):  # a single prompt: a batch of one
+        (alone,) = generate(sdar, one, _greedy(max_tokens=4), progress=False)
+        assert alone.prompt_ids == ids and alone.response_ids == out[1].response_ids
+    assert [t.prompt_ids for t in generate(sdar, torch.tensor([ids, ids]), _greedy(max_tokens=4),
+                                           progress=False)] == [ids, ids]
+    with pytest.raises(TypeError, match="a prompt is a text, a list of token ids or a list of chat messages; got "
+                                        "list holding float"):
+        generate(sdar, [[1.5, 2.0]], _greedy(max_tokens=4), progress=False)
 
 
 class _ThinkAdapter(Adapter):
