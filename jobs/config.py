@@ -207,7 +207,7 @@ def check_builtin_type(dataset: str, data_type: str, key: str, name_key: str, bu
     ``builtin_size`` (``size_key``) is for built-in datasets only (a file's rows are all used)."""
     if builtin_size is not None and dataset not in BUILTIN:
         raise SettingError(size_key, f"builtin_size applies to built-in datasets only, not to {dataset!r} (a "
-                                     "file's rows are all used): remove it")
+                                     "file's rows are all used): remove it or set it to null")
     if dataset.startswith("builtin:") and dataset not in BUILTIN:
         close = difflib.get_close_matches(dataset, list(BUILTIN), n=1, cutoff=0.5)
         hint = f"closest: {close[0]!r}" if close else f"built-in: {', '.join(BUILTIN)}"
@@ -470,11 +470,12 @@ class SFTDatasetConfig(Settings):
         super().validate()
         builtin = self.optimization_data.startswith("builtin:")
         if self.builtin_size is not None and not builtin:
-            raise SettingError("builtin_size", f"builtin_size applies to built-in datasets only, not to "
-                                               f"{self.optimization_data!r} (a file's rows are all used): remove it")
+            raise SettingError("builtin_size", "builtin_size applies to built-in datasets only, not to "
+                                               f"{self.optimization_data!r} (a file's rows are all used): remove it "
+                                               "or set it to null")
         if self.builtin_difficulty is not None and self.optimization_data != "builtin:arithmetic":
             raise SettingError("builtin_difficulty", "builtin_difficulty applies to builtin:arithmetic only, not to "
-                                                     f"{self.optimization_data!r}: remove it")
+                                                     f"{self.optimization_data!r}: remove it or set it to null")
 
 
 @dataclass

@@ -133,6 +133,10 @@ class SamplingParams(Settings):
             if self.editing_threshold is not None:
                 raise SettingError("editing_threshold", "token editing (editing_threshold) is for block models "
                                                         "(LLaDA2.1); full-attention samplers do not edit")
+            if self.denoising_steps != self.__dataclass_fields__["denoising_steps"].default:
+                raise SettingError("denoising_steps", "denoising_steps counts the steps of each block of a block "
+                                                      "model; full-attention models take steps (over the whole "
+                                                      "answer; unset: one token per step)")
             n_blocks = -(-self.max_tokens // block)
             if self.steps is not None and self.steps < n_blocks:
                 raise SettingError("steps", f"steps ({self.steps}) is fewer than the {n_blocks} blocks of "

@@ -490,6 +490,7 @@ def test_generate_refuses_settings_the_model_cannot_honour(sdar, demo_tokenizer)
                                    (sdar, _greedy(denoising_steps=sdar.block_size + 1), "denoising_steps"),
                                    # settings the chosen sampler would ignore
                                    (sdar, _greedy(steps=8), "steps"),
+                                   (dream, _greedy(denoising_steps=2), "denoising_steps"),
                                    (sdar, _greedy(max_post_steps=3), "max_post_steps"),
                                    (dream, _greedy(max_post_steps=3), "max_post_steps"),
                                    (sdar, _greedy(remasking_strategy="sequential", alg_temp=0.5), "alg_temp"),

@@ -89,8 +89,9 @@ def _trainer(adapter, lr: float = 3e-3, random_head: bool = True, **kw) -> Value
 
 
 def _sampled(adapter, prompts, **kw):
-    params = SamplingParams(temperature=1.0, seed=0, max_tokens=10, denoising_steps=3,
-                            remasking_strategy="low_confidence_dynamic", dynamic_threshold=0.05, **kw)
+    per_block = {"denoising_steps": 3} if adapter.attention == "block" else {}  # full attention: kw's steps
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=10, remasking_strategy="low_confidence_dynamic",
+                            dynamic_threshold=0.05, **per_block, **kw)
     trajs = list(generate(adapter, prompts, params, progress=False))
     for i, t in enumerate(trajs):
         t.sample_id = f"s{i}"
