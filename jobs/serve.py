@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import UserError
@@ -95,9 +96,8 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
     adapter = engine.adapter
     created = int(time.time())
 
-    def authorize(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise RequestError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+    if api_key is not None:
+        app.add_middleware(_RequireKey, api_key=api_key)
 
     def check_model(body: _Body) -> None:
         if body.model != model_name:
@@ -132,20 +132,17 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
                 "max_model_len": engine.limit}
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        authorize(request)
+    async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> dict:
-        authorize(request)
+    async def model(model_id: str) -> dict:
         if model_id != model_name:
             raise RequestError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model")
         return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        authorize(request)
         check_model(body)
         _check_logprobs(body.logprobs or 0, "logprobs")
         if body.echo:  # echo with log-probs asks for the prompt's: a diffusion model scores no prompt token
@@ -155,7 +152,6 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
-        authorize(request)
         check_model(body)
         _check_logprobs(body.top_logprobs or 0, "top_logprobs")
         if body.max_completion_tokens is not None and body.max_tokens is None:
@@ -164,6 +160,23 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
         return await _serve(engine, request, body, prompts, "chat.completion", model_name)
 
     return app
+
+
+class _RequireKey:
+    """ASGI middleware: /v1/ routes need ``Authorization: Bearer <key>``, checked before the body is read or
+    validated (a caller without the key learns nothing about its request); a plain ASGI layer, so streams and
+    client disconnects pass through untouched."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}"
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                Headers(scope=scope).get("authorization", "") != self.expected:
+            denied = _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", None)
+            await denied(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------- prompts
@@ -194,10 +207,11 @@ def _chat_prompt(adapter: Adapter, messages: list[dict[str, Any]]) -> list[int]:
         raise RequestError(400, "messages must not be empty", "messages")
     plain = []
     for i, m in enumerate(messages):
-        if m.get("role") not in ("system", "user", "assistant"):
-            raise RequestError(400, f"messages[{i}].role must be system, user or assistant, got {m.get('role')!r}",
-                               "messages")
-        plain.append({"role": m["role"], "content": _content_text(m.get("content"), i)})
+        if m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise RequestError(400, f"messages[{i}].role must be system, developer, user or assistant, got "
+                                    f"{m.get('role')!r}", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name of the system turn
+        plain.append({"role": role, "content": _content_text(m.get("content"), i)})
     return adapter.encode_chat(plain)
 
 
@@ -226,6 +240,8 @@ async def _serve(engine: ServeEngine, http: Request, body: _Body, prompts: list[
                  model_name: str):
     if body.n < 1:
         raise RequestError(400, f"n must be >= 1, got {body.n}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise RequestError(400, "stream_options is only allowed with stream true", "stream_options")
     params = engine.request_params({name: getattr(body, name) for name in SAMPLING_FIELDS})
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"

@@ -296,6 +296,20 @@ def test_api_key_and_models(sdar):
             with pytest.raises(openai.NotFoundError) as err:
                 client.models.retrieve("other")
             assert err.value.body["code"] == "model_not_found"
+            for body in (b'{"model": "tiny", "messages": [', b'{"model": "other"}'):  # the key before the body
+                resp = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=10,
+                                  headers={"content-type": "application/json"})
+                assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # no key needed
+            with pytest.raises(openai.BadRequestError, match="stream_options is only allowed with stream true"):
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, stream_options={"include_usage": True})
+            asked = [{"role": "user", "content": QUESTIONS[0]}]
+            as_system, as_developer = (client.chat.completions.create(
+                model="tiny", messages=[{"role": role, "content": "Be brief."}, *asked], max_tokens=6, temperature=0)
+                for role in ("system", "developer"))
+            assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+            assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
     finally:
         engine.close()
 
