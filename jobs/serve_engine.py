@@ -353,7 +353,11 @@ class ServeEngine:
             finished = group.engine.step()
         except Exception as err:  # noqa: BLE001 - a failing batch fails its requests, never the server
             traceback.print_exc()
-            self._fail(group, f"sampling failed: {type(err).__name__}: {err}")
+            message = f"sampling failed: {type(err).__name__}: {err}"
+            if group.engine.failed_admission:  # the running batch is intact: only the newcomers fail
+                self._fail_admission(group, message)
+            else:
+                self._fail(group, message)
             return
         with self._cond:
             for done in finished:
@@ -431,6 +435,18 @@ class ServeEngine:
             with contextlib.suppress(RuntimeError):  # the handler's loop is closed (shutting down): nobody listens
                 loop.call_soon_threadsafe(_deliver, events)
         self._outbox = {}
+
+    def _fail_admission(self, group: _Group, message: str) -> None:
+        """The sequences a step failed to admit get an error and leave the queue; the running ones go on."""
+        failed = {seq.index for seq in group.engine.failed_admission}
+        with self._cond:
+            group.engine.waiting = type(group.engine.waiting)(s for s in group.engine.waiting if s.index not in failed)
+            for seq_id in failed:
+                choice = self._choices.pop(seq_id, None)
+                if choice is not None:
+                    choice.done = True
+                    self._post(choice.request, "error", choice.index, message)
+            self._flush()
 
     def _fail(self, group: _Group, message: str) -> None:
         """Every sequence of a group whose step raised gets an error; the group is rebuilt on the next request."""

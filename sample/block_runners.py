@@ -76,8 +76,10 @@ class CachedRunner:
 
     def admit(self, prefixes: list[list[int]]) -> None:
         """Prefill the complete prompt blocks of new rows and append the rows to the batch cache."""
+        cache = self.cache
         for part in self._prefilled(prefixes):
-            self.cache = BatchKVCache.join(self.cache, part)
+            cache = BatchKVCache.join(cache, part)
+        self.cache = cache  # only once every part is in: a failure leaves the batch cache as it was
 
     def _prefilled(self, prefixes: list[list[int]]) -> list[BatchKVCache]:
         """The cache rows of ``prefixes`` (token ids), in order, as consecutive parts; one forward per distinct
@@ -305,7 +307,8 @@ class StaticRunner(CachedRunner):
             self.store.repack(max_cached)
 
     def keep(self, rows: Tensor) -> None:
-        self.store.keep_rows(rows)
+        if self.store is not None:  # None: the first admission failed before allocating it
+            self.store.keep_rows(rows)
         self.rows = rows.shape[0]
 
 
@@ -320,7 +323,7 @@ class RecomputeRunner:
         self.prefixes: list[Tensor] = []
 
     def admit(self, prefixes: list[list[int]]) -> None:
-        self.prefixes.extend(on_device(p, self.device) for p in prefixes)
+        self.prefixes.extend([on_device(p, self.device) for p in prefixes])
 
     def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
              fused: bool = True) -> Tensor:

@@ -35,7 +35,16 @@ from torch import Tensor
 
 from models.moe import expert_layers_sync_free
 from sample.block_runners import CachedRunner, RecomputeRunner, StaticRunner
-from sample.engine import Finished, PromptTooLongError, RolloutStats, Sequence, append_rows, keep_rows, on_device
+from sample.engine import (
+    Finished,
+    PromptTooLongError,
+    RolloutStats,
+    Sequence,
+    append_rows,
+    first_rows,
+    keep_rows,
+    on_device,
+)
 from sample.params import SamplingParams
 from sample.strategies import (
     Draw,
@@ -178,7 +187,7 @@ class BlockSampler:
     # ------------------------------------------------------------ admission
 
     def admit(self, sequences: list[Sequence]) -> None:
-        prefixes, blocks, starts, tails = [], [], [], []
+        prefixes, blocks, starts, tails, new = [], [], [], [], []
         for seq in sequences:
             prompt = seq.prompt
             cut = (len(prompt) // self.b) * self.b
@@ -187,9 +196,16 @@ class BlockSampler:
             blocks.append(tail + [self.adapter.mask_id] * (self.b - len(tail)))
             starts.append(cut)
             tails.append(len(tail))
-            self.running.append(_Running(seq, len(tail), cut))
-        self.runner.admit(prefixes)
-        self._append_rows(blocks, starts, tails)
+            new.append(_Running(seq, len(tail), cut))
+        rows = len(self.running)
+        try:
+            self.runner.admit(prefixes)
+            self._append_rows(blocks, starts, tails)
+        except BaseException:  # out of memory in the prefill, say: the running rows go on as they were
+            first_rows(self, list(_ROW_STATE), rows)
+            self.runner.keep(torch.arange(rows, device=self.device))
+            raise
+        self.running.extend(new)
 
     def _append_rows(self, blocks: list[list[int]], starts: list[int], tails: list[int]) -> None:
         dev, n = self.device, len(blocks)

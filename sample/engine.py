@@ -88,7 +88,7 @@ class Sampler(Protocol):
 
     def check_prompt(self, index: int, prompt: list[int]) -> int: ...
 
-    def admit(self, sequences: list[Sequence]) -> None: ...
+    def admit(self, sequences: list[Sequence]) -> None: ...  # all or nothing: raising, it leaves the batch as it was
 
     def step(self) -> list[Finished]: ...
 
@@ -105,6 +105,9 @@ class Engine:
     def __init__(self, sampler: Sampler, max_active: int):
         self.sampler, self.max_active = sampler, max_active
         self.waiting: deque[Sequence] = deque()
+        # the sequences whose admission raised in the last step (back at the head of ``waiting``; the running
+        # batch is as it was): a server fails their requests only
+        self.failed_admission: list[Sequence] = []
 
     @property
     def busy(self) -> bool:
@@ -128,12 +131,14 @@ class Engine:
     def step(self) -> list[Finished]:
         """Admit waiting sequences while there is room, run one step; the sequences that finished in it."""
         free = self.max_active - len(self.sampler.running)
+        self.failed_admission = []
         if free > 0 and self.waiting:
             admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
             try:
                 self.sampler.admit(admitted)
             except BaseException:  # back in the queue: whoever handles the failure still finds them (a server
                 self.waiting.extendleft(reversed(admitted))  # fails their requests instead of leaving them hanging)
+                self.failed_admission = admitted
                 raise
         if not self.sampler.running:
             return []
@@ -143,9 +148,17 @@ class Engine:
 
 
 def append_rows(sampler: Any, rows: dict[str, Tensor]) -> None:
-    """Append new rows to each per-row tensor attribute of ``sampler`` (``rows``: attribute name -> its rows)."""
-    for name, new in rows.items():
-        setattr(sampler, name, torch.cat([getattr(sampler, name), new]))
+    """Append new rows to each per-row tensor attribute of ``sampler`` (``rows``: attribute name -> its rows); all
+    or none of them (every concatenation is made before any attribute changes)."""
+    grown = {name: torch.cat([getattr(sampler, name), new]) for name, new in rows.items()}
+    for name, value in grown.items():
+        setattr(sampler, name, value)
+
+
+def first_rows(sampler: Any, names: Seq[str], rows: int) -> None:
+    """Cut each per-row tensor attribute in ``names`` back to its first ``rows`` rows (a failed admission's undo)."""
+    for name in names:
+        setattr(sampler, name, getattr(sampler, name)[:rows])
 
 
 def on_device(values: Any, device: torch.device | str, dtype: torch.dtype = torch.long) -> Tensor:

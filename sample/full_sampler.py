@@ -138,8 +138,13 @@ class FullSampler:
         add = {"canvas": canvas, "valid": valid, "pos": pos, "decoded": zeros_g.bool(), "rec_step": zeros_g,
                "rec_logp": zeros_g.float(), "rec_conf": zeros_g.float(),
                "counter": zeros_n, "plen": plen}
-        append_rows(self, add)
-        self._admit_cache(n)
+        rows = len(self.running)
+        self._admit_cache(n)  # first: a failure here leaves the cache as it was (a wider canvas is harmless)
+        try:
+            append_rows(self, add)
+        except BaseException:
+            self._keep_cache(torch.arange(rows, device=dev))
+            raise
         self.running.extend(_Running(s, masks_left=self.bl) for s in sequences)
 
     def drop(self, rows: list[int]) -> None:

@@ -347,6 +347,51 @@ def test_fixed_capacity_cache_group_serves_on_cpu(sdar):
         engine.close()
 
 
+@pytest.mark.parametrize("base", ["sdar", "dream"])
+def test_a_failed_admission_fails_only_the_newcomers(demo_tokenizer, monkeypatch, base):
+    """The admission raises after the sampler took the newcomers' cache rows (block) or joined its cache (full):
+    it puts the batch back, the newcomers' request errs, and the request already running decodes on exactly as
+    offline ``generate`` decodes it alone."""
+    from jobs.serve_engine import compute_precision, packed_projections
+
+    adapter = build_tiny(base, demo_tokenizer)
+    params = SamplingParams(**DEFAULTS) if base == "sdar" else SamplingParams(max_tokens=16, temperature=0.0,
+                                                                              block_size=4)
+    engine = ServeEngine(adapter, params, driver_thread=False)
+    loop = asyncio.new_event_loop()
+
+    def step() -> None:
+        with engine._cond:
+            busy = engine._between_steps()
+        for group in busy:
+            engine._step(group)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    first, second = adapter.encode_chat(QUESTIONS[1]), adapter.encode_chat(QUESTIONS[2])
+    with compute_precision(adapter, params), torch.inference_mode(), packed_projections(adapter.model):
+        running = engine.submit("a", [first], 1, params, [], False, True, loop)
+        step()
+        with monkeypatch.context() as patch:
+            if base == "sdar":
+                patch.setattr("sample.block_sampler.BlockSampler._append_rows", fails)
+            else:
+                patch.setattr("sample.full_sampler.append_rows", fails)
+            newcomer = engine.submit("b", [second], 1, params, [], False, True, loop)
+            step()
+        while engine._choices:
+            step()
+    loop.run_until_complete(asyncio.sleep(0))  # the events posted to the loop
+    events = {req.id: [req.queue.get_nowait() for _ in range(req.queue.qsize())] for req in (running, newcomer)}
+    loop.close()
+    engine.close()
+    assert events["b"] == [("error", 0, "sampling failed: RuntimeError: out of memory (simulated)")]
+    (kind, _, result), = events["a"]
+    alone = generate(adapter, [first], params, progress=False)[0]
+    assert kind == "done" and result.token_ids == alone.response_ids and result.step_map == alone.step_map
+
+
 def test_a_failed_admission_fails_its_request_and_the_server_goes_on(demo_tokenizer, monkeypatch):
     """A sampler that raises while admitting sequences (out of memory, say) ends their requests with an error; the
     next request is served by a rebuilt group."""
