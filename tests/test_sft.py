@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from jobs.sft import SFTJob, build_samples, read_rows, run_sft, turn_end_id
 from models.tiny import save_tiny_checkpoint
 from train.accelerator import build_accelerator
 from train.settings import OptimizerParams, RLTrainingConfig, SFTTrainingConfig
-from train.sft_trainer import ANNEAL_SALT, SFTTrainer, sft_sample
+from train.sft_trainer import ANNEAL_PROCESS_STRIDE, ANNEAL_SALT, SFTTrainer, sft_sample
 from train.views import ModelTraits, build_view
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -506,6 +507,12 @@ def test_attention_annealing_trains_causal_plus_a_growing_share_of_later_keys(ti
             want_loss = -(batch.weights * logp[batch.rows, batch.cols, batch.labels]).sum()
         torch.testing.assert_close(got, want_loss, atol=1e-5, rtol=1e-5)
     assert shares[0] < shares[2]  # ~1/4 of the later keys, then ~3/4
+    trainer.rl_step = 2
+    (first,) = trainer.build_views(samples, advantages)
+    with patch.object(type(trainer.accelerator), "process_index", 1):  # the second process draws its own keys
+        (second,) = trainer.build_views(samples, advantages)
+    want = AttentionLayout.annealed(second.layout.valid, 2 / 4, trainer._generator(ANNEAL_SALT + ANNEAL_PROCESS_STRIDE))
+    assert torch.equal(second.layout.extra, want.extra) and not torch.equal(second.layout.extra, first.layout.extra)
 
 
 @pytest.mark.parametrize("model_base, method", [("sdar", "random_masking"), ("dream", "ar")])

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 
 ANNEAL_SALT = 500_000  # the annealing draws' generator salt, apart from those of the micro-batch order (step + 1)
+ANNEAL_PROCESS_STRIDE = 10_007  # apart per process (more micro-batches per step than this: never in practice)
 
 
 def sft_sample(prompt_ids: list[int], response_ids: list[int], sample_id: str, step_map: list[int] | None = None,
@@ -74,8 +75,10 @@ class SFTTrainer(Trainer):
         ratio = self.rl_step / self.cfg.attention_annealing_steps if self.cfg.attention_annealing_steps else 1.0
         if ratio >= 1.0:
             return batches
-        # the views it replaces are one full-attention block per row: ar's causal rows are refused in __init__
-        return [replace(b, layout=AttentionLayout.annealed(b.layout.valid, ratio, self._generator(ANNEAL_SALT + i)))
+        # the views it replaces are one full-attention block per row: ar's causal rows are refused in __init__;
+        # each process draws its own keys (the same salt everywhere would show every process one pattern per step)
+        salt = ANNEAL_SALT + ANNEAL_PROCESS_STRIDE * self.accelerator.process_index
+        return [replace(b, layout=AttentionLayout.annealed(b.layout.valid, ratio, self._generator(salt + i)))
                 for i, b in enumerate(batches)]
 
     def model_outputs(self, mb: TrainBatch) -> Tensor:
