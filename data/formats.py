@@ -135,7 +135,7 @@ def read_raw_rows(path: str | Path) -> list[Any]:
                               f"offset {exc.start})") from None
     if path.suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(text.splitlines()):
+        for n, line in enumerate(text.split("\n")):  # not splitlines: U+2028 and kin are text inside a row
             if line.strip():
                 try:
                     rows.append(json.loads(line))

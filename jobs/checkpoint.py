@@ -103,10 +103,12 @@ def load_checkpoint(trainer: Any, ckpt: Path, accelerator_state: bool = True) ->
     return loop
 
 
-def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...]) -> None:
+def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...],
+                         former_defaults: dict[str, Any] | None = None) -> None:
     """Refuse to resume ``root`` under a config that differs from its ``config.yaml`` except in ``resumable`` keys
     (one line naming the first key that differs): a resumed run is the run it continues, and its optimizer,
-    schedule and data state were saved for that config."""
+    schedule and data state were saved for that config. ``former_defaults``: keys whose default became null (the
+    same setting), with the value an earlier version wrote for it."""
     import yaml
 
     from core.loader import defaults_tree
@@ -119,6 +121,9 @@ def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...]) -> No
     # a key newer than the run's config.yaml (added by a later version) matches when it keeps its default
     defaults = _flatten(defaults_tree(type(cfg)))
     saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
+    for key, value in (former_defaults or {}).items():
+        if saved.get(key) == value and now.get(key) is None:
+            saved[key] = None
     for key in sorted(set(saved) | set(now)):
         if key not in resumable and saved.get(key) != now.get(key):
             raise RunDirError(f"cannot resume {root}: '{key}' was {saved.get(key)!r} and is now {now.get(key)!r} "

@@ -502,14 +502,14 @@ class SFTConfig(Settings):
         if attention == "full" and not semi_ar and t.block_size is not None:
             raise SettingError("training.block_size", f"training.block_size {t.block_size} has no effect on "
                                f"{self.model.model_base} (full attention) with training.method {t.method!r}: only "
-                               "semi-ar trains it block by block")
+                               "semi-ar trains it block by block (set training.block_size=null)")
         if t.post_num:
             raise SettingError("training.post_num", "training.post_num trains pad tokens after an RL rollout's stop "
                                "token; SFT responses end at their turn end and have none: remove it")
-        refuse_ignored_settings(t, t.view_method(attention))
+        refuse_ignored_settings(t, t.view_method(attention), t.method)
 
 
-def refuse_ignored_settings(t: Any, method: str) -> None:
+def refuse_ignored_settings(t: Any, method: str, shown: str = "") -> None:
     """Refuse a ``training`` loss key set away from its default that ``method``'s loss never reads; note the view
     keys its rows never read."""
     defaults = {f.name: f.default for f in dataclasses.fields(t)}
@@ -517,7 +517,7 @@ def refuse_ignored_settings(t: Any, method: str) -> None:
     key, refusal = ignored_setting_refusal(method, changed)
     if refusal:
         raise SettingError(f"training.{key}", refusal)
-    for line in unread_view_notes(method, changed):
+    for line in unread_view_notes(method, changed, shown):
         print(line, file=sys.stderr, flush=True)
 
 

@@ -119,7 +119,9 @@ def build_app(engine: ServeEngine, model_name: str, api_key: str | None = None) 
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:  # unknown route, 405, ...
-        return _error(err.status_code, str(err.detail), None)
+        response = _error(err.status_code, str(err.detail), None)
+        response.headers.update(err.headers or {})  # a 405's Allow
+        return response
 
     @app.get("/health")
     async def health() -> JSONResponse:

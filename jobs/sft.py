@@ -222,6 +222,8 @@ def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajec
 # saves, where it lives. Its optimizer, schedule and data order were saved for the rest.
 RESUMABLE_CHANGES = ("experiment.start_from_scratch", "experiment.overwrite", "experiment.output_dir",
                      "experiment.project", "training.max_steps", "training.num_train_epochs", "training.save_every")
+# keys whose default became null (meaning the same), as runs saved before wrote them
+FORMER_DEFAULTS = {"dataset.builtin_size": 2000, "dataset.builtin_difficulty": 1}
 
 
 class SFTJob:
@@ -260,8 +262,9 @@ class SFTJob:
                                   cfg.optimizer.params,
                                   cfg.lr_scheduler, total_steps=self.total, accelerator=self.acc)
         first = 0
-        if resume:
-            first = self._resumed_step(load_checkpoint(self.trainer, self.last))
+        if resume:  # checked before the checkpoint is loaded (which notes a fresh optimizer on another world)
+            first = self._resumed_step(json.loads((self.last / "trainer" / "loop.json").read_text()))
+            load_checkpoint(self.trainer, self.last)
         else:  # every setup check passed: only now may an overwritten run go
             empty_run_dir(self.root, self.acc)
         if self.main:
@@ -292,7 +295,7 @@ class SFTJob:
             if problem is not None:
                 raise RunDirError(f"nothing to resume in {self.root}: the checkpoint {self.last} cannot be resumed "
                                   f"({problem})")
-            check_resumed_config(self.root, self.cfg, RESUMABLE_CHANGES)
+            check_resumed_config(self.root, self.cfg, RESUMABLE_CHANGES, FORMER_DEFAULTS)
             return True
         check_fresh_run_dir(self.root, exp.overwrite)  # emptied after the setup
         return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,13 @@ class CachedRunner:
         for part in self._prefilled(prefixes):
             cache = BatchKVCache.join(cache, part)
         self.cache = cache  # only once every part is in: a failure leaves the batch cache as it was
+
+    def admission_mark(self) -> Any:
+        """What :meth:`undo_admission` needs to put the batch back as it is now (no copy)."""
+        return self.cache
+
+    def undo_admission(self, mark: Any) -> None:
+        self.cache = mark
 
     def _prefilled(self, prefixes: list[list[int]]) -> list[BatchKVCache]:
         """The cache rows of ``prefixes`` (token ids), in order, as consecutive parts; one forward per distinct
@@ -307,9 +315,16 @@ class StaticRunner(CachedRunner):
             self.store.repack(max_cached)
 
     def keep(self, rows: Tensor) -> None:
-        if self.store is not None:  # None: the first admission failed before allocating it
-            self.store.keep_rows(rows)
+        self.store.keep_rows(rows)
         self.rows = rows.shape[0]
+
+    def admission_mark(self) -> Any:
+        return self.rows
+
+    def undo_admission(self, mark: Any) -> None:
+        if self.store is not None:  # the rows placed after the mark are freed; the slots before it are untouched
+            self.store.valid[mark:] = False
+        self.rows = mark
 
 
 class RecomputeRunner:
@@ -324,6 +339,12 @@ class RecomputeRunner:
 
     def admit(self, prefixes: list[list[int]]) -> None:
         self.prefixes.extend([on_device(p, self.device) for p in prefixes])
+
+    def admission_mark(self) -> Any:
+        return len(self.prefixes)
+
+    def undo_admission(self, mark: Any) -> None:
+        del self.prefixes[mark:]
 
     def step(self, tokens: Tensor, positions: Tensor, carry: Tensor | None, carrying: Tensor | None,
              fused: bool = True) -> Tensor:

@@ -197,13 +197,13 @@ class BlockSampler:
             starts.append(cut)
             tails.append(len(tail))
             new.append(_Running(seq, len(tail), cut))
-        rows = len(self.running)
+        rows, mark = len(self.running), self.runner.admission_mark()
         try:
             self.runner.admit(prefixes)
             self._append_rows(blocks, starts, tails)
-        except BaseException:  # out of memory in the prefill, say: the running rows go on as they were
-            first_rows(self, list(_ROW_STATE), rows)
-            self.runner.keep(torch.arange(rows, device=self.device))
+        except BaseException:  # out of memory in the prefill, say: the running rows go on as they were (put back
+            first_rows(self, list(_ROW_STATE), rows)  # without copying: memory is what just ran out)
+            self.runner.undo_admission(mark)
             raise
         self.running.extend(new)
 

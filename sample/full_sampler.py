@@ -138,12 +138,13 @@ class FullSampler:
         add = {"canvas": canvas, "valid": valid, "pos": pos, "decoded": zeros_g.bool(), "rec_step": zeros_g,
                "rec_logp": zeros_g.float(), "rec_conf": zeros_g.float(),
                "counter": zeros_n, "plen": plen}
-        rows = len(self.running)
+        cache = getattr(self, "cache", None)  # the window-cached samplers' batch cache, put back on failure
         self._admit_cache(n)  # first: a failure here leaves the cache as it was (a wider canvas is harmless)
         try:
             append_rows(self, add)
         except BaseException:
-            self._keep_cache(torch.arange(rows, device=dev))
+            if hasattr(self, "cache"):
+                self.cache = cache
             raise
         self.running.extend(_Running(s, masks_left=self.bl) for s in sequences)
 

@@ -45,9 +45,10 @@ def encode_prompt(adapter: Adapter, prompt: Prompt) -> list[int]:
         if adapter.tokenizer is None:
             raise ValueError("chat prompts need a tokenizer on the adapter; pass token ids instead")
         return adapter.encode_chat(prompt)
-    if ids is None or not all(isinstance(t, Integral) for t in ids):
+    bad = [] if ids is None else [t for t in ids if not isinstance(t, Integral)]
+    if ids is None or bad:
         raise TypeError(f"a prompt is a text, a list of token ids or a list of chat messages; got "
-                        f"{type(prompt).__name__}{' holding ' + type(ids[0]).__name__ if ids else ''}")
+                        f"{type(prompt).__name__}{' holding ' + type(bad[0]).__name__ if bad else ''}")
     return [int(t) for t in ids]
 
 

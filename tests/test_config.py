@@ -381,10 +381,10 @@ def test_view_keys_the_method_never_reads_are_noted(tmp_path, capsys):
                            "dataset: {optimization_data: builtin:arithmetic}\n", "sft_job.yaml")
     load_config([f"config={sft}", "training.method=trace", "training.lower_p=0.3"], "sft", stream=io.StringIO())
     assert capsys.readouterr().err.strip() == ("note: training.lower_p 0.3 has no effect with training.method "
-                                               "'TraceRL': its rows do not read it (read by random_masking, coupled, "
+                                               "'trace': its rows do not read it (read by random_masking, coupled, "
                                                "coupled-GRPO, semi_ar)")
     load_config([f"config={sft}", "training.shrink=2"], "sft", stream=io.StringIO())  # semi-ar: random masking
-    assert "training.shrink 2 has no effect with training.method 'random_masking'" in capsys.readouterr().err
+    assert "training.shrink 2 has no effect with training.method 'semi-ar'" in capsys.readouterr().err
     rl = _write(tmp_path, MINIMAL_RL)
     load_config([f"config={rl}", "training.mask_times_per_sample=4"], "rl", stream=io.StringIO())
     assert "training.mask_times_per_sample 4 has no effect with training.method 'TraceRL'" in capsys.readouterr().err

@@ -92,6 +92,8 @@ def test_infer_kind_and_save_roundtrip(tmp_path):
     lines = save_dataset_file([MATH_ROW, MATH_ROW], tmp_path / "z.jsonl", "math")
     assert [json.loads(x) for x in lines.read_text().splitlines()] == [MATH_ROW, MATH_ROW]  # JSON Lines: a row a line
     assert load_dataset_file(lines, "math") == [MATH_ROW, MATH_ROW]
+    odd = {**MATH_ROW, "question": "a\u2028b\u2029c\x85d\re"}  # line separators other than \n are text in a row
+    assert load_dataset_file(save_dataset_file([odd], tmp_path / "odd.jsonl", "math"), "math") == [odd]
     with pytest.raises(DataFormatError):
         save_dataset_file([{"question": "q"}], tmp_path / "y.json", "math")
     assert not (tmp_path / "y.json").exists()

@@ -310,7 +310,7 @@ def test_empty_prompt_and_chat_prompts(sdar):
                                            progress=False)] == [ids, ids]
     with pytest.raises(TypeError, match="a prompt is a text, a list of token ids or a list of chat messages; got "
                                         "list holding float"):
-        generate(sdar, [[1.5, 2.0]], _greedy(max_tokens=4), progress=False)
+        generate(sdar, [[1, 2.5]], _greedy(max_tokens=4), progress=False)  # named by the item that is no id
 
 
 class _ThinkAdapter(Adapter):

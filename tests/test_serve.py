@@ -260,6 +260,7 @@ def test_bad_requests_get_4xx_naming_the_field(server):
         resp = httpx.request(method, f"{url}{route}", timeout=10)
         error = resp.json()["error"]
         assert resp.status_code == status and error["type"] == "invalid_request_error" and error["message"]
+    assert resp.headers["allow"] == "GET"  # the 405 keeps its Allow header
     assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
     assert chat(client, "still alive?", max_tokens=4).choices[0].message.content is not None
 
@@ -347,16 +348,18 @@ def test_fixed_capacity_cache_group_serves_on_cpu(sdar):
         engine.close()
 
 
-@pytest.mark.parametrize("base", ["sdar", "dream"])
+@pytest.mark.parametrize("base", ["sdar", "sdar-fixed-capacity", "dream"])
 def test_a_failed_admission_fails_only_the_newcomers(demo_tokenizer, monkeypatch, base):
     """The admission raises after the sampler took the newcomers' cache rows (block) or joined its cache (full):
     it puts the batch back, the newcomers' request errs, and the request already running decodes on exactly as
     offline ``generate`` decodes it alone."""
     from jobs.serve_engine import compute_precision, packed_projections
 
+    fixed = base == "sdar-fixed-capacity"  # the fixed-capacity cache (cuda_graphs=true; its CPU path here)
+    base = base.removesuffix("-fixed-capacity")
     adapter = build_tiny(base, demo_tokenizer)
-    params = SamplingParams(**DEFAULTS) if base == "sdar" else SamplingParams(max_tokens=16, temperature=0.0,
-                                                                              block_size=4)
+    params = SamplingParams(**DEFAULTS, cuda_graphs=fixed) if base == "sdar" else SamplingParams(
+        max_tokens=16, temperature=0.0, block_size=4)
     engine = ServeEngine(adapter, params, driver_thread=False)
     loop = asyncio.new_event_loop()
 
@@ -394,7 +397,7 @@ def test_a_failed_admission_fails_only_the_newcomers(demo_tokenizer, monkeypatch
 
 def test_a_failed_admission_fails_its_request_and_the_server_goes_on(demo_tokenizer, monkeypatch):
     """A sampler that raises while admitting sequences (out of memory, say) ends their requests with an error; the
-    next request is served by a rebuilt group."""
+    next request is served as usual."""
     from sample.full_sampler import WindowCachedFullSampler
 
     dream = build_tiny("dream", demo_tokenizer)

@@ -260,6 +260,14 @@ def test_a_run_resumes_only_under_its_own_config(tmp_path, ckpt):
         run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 4,
                                                         "experiment.start_from_scratch": "false"}), "sft"),
                 progress=False)
+    loop.write_text(json.dumps({**json.loads(loop.read_text()), "num_processes": 1}))
+    saved = tmp_path / "sft" / "config.yaml"  # as versions before the null default wrote it: the same setting
+    saved.write_text(saved.read_text().replace("builtin_difficulty: null", "builtin_difficulty: 1"))
+    assert "builtin_difficulty: 1" in saved.read_text()
+    run_sft(load_config(sft_args(tmp_path, ckpt, **{"training.max_steps": 4, "experiment.start_from_scratch": "false"}),
+                        "sft"), progress=False)
+    assert [json.loads(x)["step"] for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()] == [1, 2,
+                                                                                                            3, 4]
 
 
 def test_responses_cut_at_max_gen_length_are_reported(tmp_path, ckpt, capsys):

@@ -35,7 +35,7 @@ class Entry:
     # term, or its own penalty), eps / eps_high (no clip); setting them is refused, never silently ignored
     ignores: tuple[str, ...] = ()
     own: tuple[str, ...] = ()  # keys only this method reads (OWN_KEYS): refused for every other method
-    reads: tuple[str, ...] = ()  # the VIEW_KEYS its rows read (set away from the default, the others are refused)
+    reads: tuple[str, ...] = ()  # the VIEW_KEYS its rows read (set away from the default, the others are noted)
 
 
 _OWN_LOSS = ("ratio_level", "loss_norm")  # a sequence-level objective normalised in its own way
@@ -150,12 +150,13 @@ def ignored_setting_refusal(method: str, settings: dict[str, object]) -> tuple[s
     return "", ""
 
 
-def unread_view_notes(method: str, settings: dict[str, object]) -> list[str]:
+def unread_view_notes(method: str, settings: dict[str, object], shown: str = "") -> list[str]:
     """Notes for the VIEW_KEYS of ``settings`` (set away from the default) that ``method``'s rows never read: a
     notice, not a refusal, since the reference's files set them for whichever method a run switches to."""
     entry = REGISTRY[method]
-    return [f"note: training.{key} {value!r} has no effect with training.method {entry.display or method!r}: its "
-            f"rows do not read it (read by {', '.join(e.display or n for n, e in REGISTRY.items() if key in e.reads)})"
+    name = shown or entry.display or method  # ``shown``: the method as the config spells it
+    return [f"note: training.{key} {value!r} has no effect with training.method {name!r}: its rows do not read it "
+            f"(read by {', '.join(e.display or n for n, e in REGISTRY.items() if key in e.reads)})"
             for key, value in settings.items() if key in VIEW_KEYS and key not in entry.reads]
 
 
