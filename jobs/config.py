@@ -201,17 +201,22 @@ def check_block_sizes(model: Any, sections: dict[str, Any]) -> None:
                                                         f"{limit} positions of {model.pretrained_model}")
 
 
+def check_builtin_size(dataset: str, builtin_size: int | None, key: str) -> None:
+    """``builtin_size`` (``key``) is for built-in datasets only: a file's rows are all used."""
+    if builtin_size is not None and not dataset.startswith("builtin:"):
+        raise SettingError(key, f"builtin_size applies to built-in datasets only, not to {dataset!r} (a file's rows "
+                                "are all used): remove it or set it to null")
+
+
 def check_builtin_type(dataset: str, data_type: str, key: str, name_key: str, builtin_size: int | None = None,
                        size_key: str = "") -> None:
     """A ``builtin:`` dataset must exist (``name_key``, the closest name suggested) and match the data type; a
     ``builtin_size`` (``size_key``) is for built-in datasets only (a file's rows are all used)."""
-    if builtin_size is not None and dataset not in BUILTIN:
-        raise SettingError(size_key, f"builtin_size applies to built-in datasets only, not to {dataset!r} (a "
-                                     "file's rows are all used): remove it or set it to null")
     if dataset.startswith("builtin:") and dataset not in BUILTIN:
         close = difflib.get_close_matches(dataset, list(BUILTIN), n=1, cutoff=0.5)
         hint = f"closest: {close[0]!r}" if close else f"built-in: {', '.join(BUILTIN)}"
         raise SettingError(name_key, f"unknown built-in dataset {dataset!r} ({hint})")
+    check_builtin_size(dataset, builtin_size, size_key)
     kind = builtin_kind(dataset)
     if kind is not None and kind != data_type:
         raise SettingError(key, f"dataset {dataset!r} is a {kind} task but data_type is {data_type!r}")
@@ -468,11 +473,7 @@ class SFTDatasetConfig(Settings):
 
     def validate(self) -> None:
         super().validate()
-        builtin = self.optimization_data.startswith("builtin:")
-        if self.builtin_size is not None and not builtin:
-            raise SettingError("builtin_size", "builtin_size applies to built-in datasets only, not to "
-                                               f"{self.optimization_data!r} (a file's rows are all used): remove it "
-                                               "or set it to null")
+        check_builtin_size(self.optimization_data, self.builtin_size, "builtin_size")
         if self.builtin_difficulty is not None and self.optimization_data != "builtin:arithmetic":
             raise SettingError("builtin_difficulty", "builtin_difficulty applies to builtin:arithmetic only, not to "
                                                      f"{self.optimization_data!r}: remove it or set it to null")

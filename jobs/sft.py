@@ -222,7 +222,7 @@ def build_samples(rows: list[dict], adapter: Adapter, where: str) -> list[Trajec
 # saves, where it lives. Its optimizer, schedule and data order were saved for the rest.
 RESUMABLE_CHANGES = ("experiment.start_from_scratch", "experiment.overwrite", "experiment.output_dir",
                      "experiment.project", "training.max_steps", "training.num_train_epochs", "training.save_every")
-# keys whose default became null (meaning the same), as runs saved before wrote them
+# keys whose default became null, meaning these values (as runs saved before wrote them, and as null is read)
 FORMER_DEFAULTS = {"dataset.builtin_size": 2000, "dataset.builtin_difficulty": 1}
 
 
@@ -303,8 +303,9 @@ class SFTJob:
     def _samples(self) -> list[Trajectory]:
         d, t = self.cfg.dataset, self.cfg.training
         if d.optimization_data.startswith("builtin:"):
-            rows = builtin_rows(d.optimization_data, d.builtin_size or 2000, self.cfg.experiment.seed,
-                                d.builtin_difficulty or 1)
+            size = d.builtin_size or FORMER_DEFAULTS["dataset.builtin_size"]
+            difficulty = d.builtin_difficulty or FORMER_DEFAULTS["dataset.builtin_difficulty"]
+            rows = builtin_rows(d.optimization_data, size, self.cfg.experiment.seed, difficulty)
         else:
             rows = read_rows(d.optimization_data)
         samples = build_samples(rows, self.adapter, d.optimization_data)
