@@ -216,6 +216,29 @@ def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> Iterator[str]:
             yield from _leaf_keys(value, key + ".")
 
 
+def _is_mapping_field(schema: type, key: str) -> bool:
+    """Whether ``key`` names a free-form mapping field (``dict[...]``, e.g. ``system.env``), not a section."""
+    cls: Any = schema
+    *sections, name = key.split(".")
+    for part in sections:
+        tp = config_fields(cls).get(part, (None,))[0]
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            return False
+        cls = tp
+    tp = config_fields(cls).get(name, (None,))[0]
+    return typing.get_origin(tp) is dict or tp is dict
+
+
+def _drop_key(tree: dict[str, Any], key: str) -> None:
+    """Remove ``key`` (dotted) from a nested dict, where present."""
+    *sections, name = key.split(".")
+    for part in sections:
+        tree = tree.get(part)
+        if not isinstance(tree, dict):
+            return
+    tree.pop(name, None)
+
+
 # ------------------------------------------------------------------------------------------------ coercion
 
 
@@ -516,6 +539,9 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
         key_text, _, text = item.partition("=")
         if len(leaves) == key_text.count(".") + 1 and "${" not in text:  # one key set to a scalar, not a mapping
             texts[leaves[-1]] = text.strip()  # its value's text as typed
+        if _is_mapping_field(schema, key_text.strip()):  # ``system.env={}``: the value replaces, merges nothing
+            for layer in layers:
+                _drop_key(layer, key_text.strip())
         layers.append(tree)
     try:
         cfg = typing.cast(DictConfig, OmegaConf.merge(defaults_tree(schema), *layers))

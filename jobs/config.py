@@ -44,6 +44,7 @@ from train.algorithms import (
     value_model_refusal,
 )
 from train.settings import (
+    SFT_METHODS,
     LRSchedulerConfig,
     OptimizerConfig,
     RLOptimizerConfig,
@@ -507,18 +508,22 @@ class SFTConfig(Settings):
         if t.post_num:
             raise SettingError("training.post_num", "training.post_num trains pad tokens after an RL rollout's stop "
                                "token; SFT responses end at their turn end and have none: remove it")
-        refuse_ignored_settings(t, t.view_method(attention), t.method)
+        sft_readers = {}  # the SFT methods, each view under its first spelling
+        for spelling, view in SFT_METHODS.items():
+            sft_readers.setdefault(view, spelling)
+        refuse_ignored_settings(t, t.view_method(attention), t.method,
+                                {spelling: view for view, spelling in sft_readers.items()})
 
 
-def refuse_ignored_settings(t: Any, method: str, shown: str = "") -> None:
+def refuse_ignored_settings(t: Any, method: str, shown: str = "", readers: dict[str, str] | None = None) -> None:
     """Refuse a ``training`` loss key set away from its default that ``method``'s loss never reads; note the view
-    keys its rows never read."""
+    keys its rows never read (naming the ``readers`` that do, unread_view_notes)."""
     defaults = {f.name: f.default for f in dataclasses.fields(t)}
     changed = {k: getattr(t, k) for k in CHECKED_KEYS if k in defaults and getattr(t, k) != defaults[k]}
     key, refusal = ignored_setting_refusal(method, changed)
     if refusal:
         raise SettingError(f"training.{key}", refusal)
-    for line in unread_view_notes(method, changed, shown):
+    for line in unread_view_notes(method, changed, shown, readers):
         print(line, file=sys.stderr, flush=True)
 
 

@@ -381,13 +381,15 @@ def test_view_keys_the_method_never_reads_are_noted(tmp_path, capsys):
                            "dataset: {optimization_data: builtin:arithmetic}\n", "sft_job.yaml")
     load_config([f"config={sft}", "training.method=trace", "training.lower_p=0.3"], "sft", stream=io.StringIO())
     assert capsys.readouterr().err.strip() == ("note: training.lower_p 0.3 has no effect with training.method "
-                                               "'trace': its rows do not read it (read by random_masking, coupled, "
-                                               "coupled-GRPO, semi_ar)")
+                                               "'trace': its rows do not read it (read by semi-ar, random_masking)")
     load_config([f"config={sft}", "training.shrink=2"], "sft", stream=io.StringIO())  # semi-ar: random masking
-    assert "training.shrink 2 has no effect with training.method 'semi-ar'" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == ("note: training.shrink 2 has no effect with training.method 'semi-ar': "
+                                               "its rows do not read it (read by trace)")
     rl = _write(tmp_path, MINIMAL_RL)
     load_config([f"config={rl}", "training.mask_times_per_sample=4"], "rl", stream=io.StringIO())
-    assert "training.mask_times_per_sample 4 has no effect with training.method 'TraceRL'" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (  # RL jobs name RL methods only (semi-ar reads it too)
+        "note: training.mask_times_per_sample 4 has no effect with training.method 'TraceRL': its rows do not read "
+        "it (read by random_masking, coupled, coupled-GRPO, SPG, BGPO, ESPO, VRPO, EBPO)")
     load_config([f"config={rl}", "training.method=bgpo", "training.mask_times_per_sample=4"], "rl",
                 stream=io.StringIO())
     assert capsys.readouterr().err == ""
@@ -416,6 +418,17 @@ def test_environment_variables_keep_the_text_as_written(tmp_path):
     cfg = load_config([f"config={path}", "system.env.FOO=0123", "system.env.B=true"], "eval", stream=io.StringIO())
     assert cfg.system.env == {"OMP_NUM_THREADS": "010", "T": "1:30", "R": "1e-3", "F": "false", "FOO": "0123",
                               "B": "true"}  # not YAML's 8, 90, 0.001, False, 83, True
+
+
+def test_an_environment_mapping_on_the_command_line_replaces_the_files(tmp_path):
+    path = _write(tmp_path, MINIMAL_EVAL + "system:\n  env: {A: '1', B: '2'}\n", "eval_job.yaml")
+    assert load_config([f"config={path}", "system.env={}"], "eval", stream=io.StringIO()).system.env == {}
+    cfg = load_config([f"config={path}", "system.env={C: '3'}", "system.env.D=4"], "eval", stream=io.StringIO())
+    assert cfg.system.env == {"C": "3", "D": "4"}  # replaced, then a later key added to the new mapping
+    cfg = load_config([f"config={path}", "system.env.D=4", "system.env={C: '3'}"], "eval", stream=io.StringIO())
+    assert cfg.system.env == {"C": "3"}  # the last word wins, as for any key
+    cfg = load_config([f"config={path}", "system.env.B=5"], "eval", stream=io.StringIO())
+    assert cfg.system.env == {"A": "1", "B": "5"}  # one variable still merges into the file's
 
 
 @pytest.mark.parametrize("method,override", [("bgpo", "training.loss_norm=token_mean"),

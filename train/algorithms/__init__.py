@@ -150,13 +150,18 @@ def ignored_setting_refusal(method: str, settings: dict[str, object]) -> tuple[s
     return "", ""
 
 
-def unread_view_notes(method: str, settings: dict[str, object], shown: str = "") -> list[str]:
+def unread_view_notes(method: str, settings: dict[str, object], shown: str = "",
+                      readers: dict[str, str] | None = None) -> list[str]:
     """Notes for the VIEW_KEYS of ``settings`` (set away from the default) that ``method``'s rows never read: a
-    notice, not a refusal, since the reference's files set them for whichever method a run switches to."""
+    notice, not a refusal, since the reference's files set them for whichever method a run switches to.
+    ``readers``: the methods the job accepts (as it spells them -> their registry name; default: the RL methods),
+    of which a note names those that read the key."""
     entry = REGISTRY[method]
     name = shown or entry.display or method  # ``shown``: the method as the config spells it
+    if readers is None:
+        readers = {REGISTRY[n].display or n: n for n in RL_METHODS}
     return [f"note: training.{key} {value!r} has no effect with training.method {name!r}: its rows do not read it "
-            f"(read by {', '.join(e.display or n for n, e in REGISTRY.items() if key in e.reads)})"
+            f"(read by {', '.join(s for s, n in readers.items() if key in REGISTRY[n].reads)})"
             for key, value in settings.items() if key in VIEW_KEYS and key not in entry.reads]
 
 
