@@ -51,6 +51,8 @@ class SamplingParams(Settings):
     ``pad_target_penalty`` under the sequential or entropy-bounded strategies).
     """
 
+    # block models stop a response at the model's position limit (finish_reason "length"); full-attention models
+    # denoise a fixed canvas of max_tokens (rounded up to a block) and refuse a prompt it would push past the limit
     max_tokens: int = bounded(64, 1)
     temperature: float = bounded(1.0, 0.0)
     top_k: int = bounded(0, 0)
