@@ -45,6 +45,7 @@ def relaunch_if_requested(cfg, script: str, argv: list[str]) -> None:
 
     if not cfg.experiment.deepspeed_file or launched():
         return
+    check_model_folders(cfg)  # one line here, not the same error from every launched process
     from core.loader import ConfigError
 
     root = Path(__file__).resolve().parents[1]
@@ -61,6 +62,27 @@ def relaunch_if_requested(cfg, script: str, argv: list[str]) -> None:
            *argv]
     print("launching: " + " ".join(cmd), flush=True)
     os.execv(cmd[0], cmd)
+
+
+def check_model_folders(cfg) -> None:
+    """Refuse a model folder a fresh run would load that holds no ``config.json`` (the check ``load_model`` makes,
+    made before any process is launched). A resumed run loads its own checkpoint; a demo path is built on demand."""
+    from pathlib import Path
+
+    from jobs.config import DEMO_MODEL_DIRS
+    from models.errors import ModelLoadError
+
+    if not getattr(cfg.experiment, "start_from_scratch", True):
+        return
+    model = cfg.model
+    demo = model.init_tiny_if_missing and Path(model.pretrained_model).as_posix().rstrip("/") in DEMO_MODEL_DIRS
+    for key in ("pretrained_model", "value_base_model", "adapter"):
+        path = getattr(model, key, None)
+        if path and not (key == "pretrained_model" and demo) and not (Path(path) / (
+                "adapter_config.json" if key == "adapter" else "config.json")).is_file():
+            raise ModelLoadError(f"model.{key} {str(path)!r} is not a folder with "
+                                 f"{'an adapter_config.json' if key == 'adapter' else 'a config.json'} (weights "
+                                 "cannot be downloaded at run time; download the checkpoint first)")
 
 
 def accelerate_config_size(path) -> tuple[int, int]:

@@ -126,13 +126,14 @@ def launch_command(script: str, argv: list[str], node: NodeEnv, deepspeed_file: 
 
 def multinode_main(kind: str, script: str, argv: list[str] | None = None) -> int:
     """``multinode_<kind>.py``: load the config (before torch), then exec this node's ``accelerate launch``."""
-    from core.entry import run_job
+    from core.entry import check_model_folders, run_job
     from jobs.config import load_config_or_exit
 
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_config_or_exit(kind, argv)
 
     def job() -> None:
+        check_model_folders(cfg)  # one line on each node, before its processes start
         cmd = launch_command(script, argv, node_env(), cfg.experiment.deepspeed_file, cfg.experiment.num_node)
         print("launching: " + " ".join(cmd), flush=True)
         os.execv(cmd[0], cmd)

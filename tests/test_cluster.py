@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from safetensors.torch import load_file
@@ -155,3 +157,26 @@ def test_a_single_node_relaunch_refuses_a_file_it_cannot_run(file, error):
     cfg = load_config(["config=configs/demo/eval_demo.yaml", f"experiment.deepspeed_file={file}"], "eval")
     with pytest.raises(ConfigError, match=re.escape(error)):
         relaunch_if_requested(cfg, "eval.py", [])
+
+
+@pytest.mark.parametrize("script,kind,config", [("rl.py", "rl", "configs/demo/rl_demo.yaml"),
+                                                ("eval.py", "eval", "configs/demo/eval_demo.yaml")])
+def test_a_missing_model_folder_is_refused_before_any_process_is_launched(tmp_path, script, kind, config):
+    """A mistyped path under a DeepSpeed file: one line from this process, not one from each launched rank."""
+    from core.entry import relaunch_if_requested
+    from jobs.config import load_config
+    from models.errors import ModelLoadError
+
+    missing = tmp_path / "TraDo-4B-Instruct"
+    cfg = load_config([f"config={config}", f"model.pretrained_model={missing}", "model.init_tiny_if_missing=false",
+                       "experiment.deepspeed_file=1_node_8_gpus_deepspeed_zero3"], kind, stream=io.StringIO())
+    with pytest.raises(ModelLoadError, match=f"model.pretrained_model '{missing}' is not a folder with a config.json"):
+        relaunch_if_requested(cfg, script, [])
+    if kind == "rl":  # a resumed run loads its own checkpoint: the folder it started from may be gone
+        cfg.experiment.start_from_scratch = False
+        with pytest.raises(SystemExit, match="execv"), mock.patch("os.execv", side_effect=SystemExit("execv")):
+            relaunch_if_requested(cfg, script, [])
+    cfg = load_config([f"config={config}", "experiment.deepspeed_file=1_node_8_gpus_deepspeed_zero3"], kind,
+                      stream=io.StringIO())
+    with pytest.raises(SystemExit, match="execv"), mock.patch("os.execv", side_effect=SystemExit("execv")):
+        relaunch_if_requested(cfg, script, [])  # a demo path: built on demand by the launched job
