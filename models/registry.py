@@ -223,6 +223,23 @@ def _mask_id(tokenizer: Any, model: Any) -> int:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# what load_model reads of a plain dict, and the other keys of a job's model section it passes over
+LOAD_KEYS = ("pretrained_model", "model_base", "tokenizer", "dtype", "attn_backend", "adapter")
+_JOB_MODEL_KEYS = ("init_tiny_if_missing", "optimized_name", "value_base_model", "optimized_value_name",
+                   "process_reward_model")
+
+
+def _check_model_keys(cfg: dict) -> None:
+    """One line for a key ``load_model`` would silently pass over (a typo), naming the closest it reads."""
+    import difflib
+
+    for key in cfg:
+        if key not in LOAD_KEYS and key not in _JOB_MODEL_KEYS:
+            close = difflib.get_close_matches(str(key), LOAD_KEYS, n=1)
+            raise ModelLoadError(f"unknown model key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                                 + f"; load_model reads {', '.join(LOAD_KEYS)}")
+
+
 def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool = False,
                map_weights: bool = True) -> Adapter:
     """Load ``cfg.pretrained_model`` (a local folder) for ``cfg.model_base``; returns its adapter (which holds the
@@ -236,6 +253,8 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
     instead of being memory-mapped (on CPU a mapped tensor shares one mapping with the whole file, so freeing it
     frees nothing; see ``load_policy``).
     """
+    if isinstance(cfg, dict):  # a plain dict from Python (a job's model section was checked when it loaded)
+        _check_model_keys(cfg)
     get = (lambda k, d=None: cfg.get(k, d)) if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
     model_base = get("model_base")
     spec = family_spec(model_base)
@@ -256,7 +275,10 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
         which, base = ("LLaDA-MoE", "llada_moe") if moe else ("dense LLaDA", "llada or mmada")
         raise ModelLoadError(f"{path}: this model_type 'llada' checkpoint is {which} (it has "
                              f"{'' if moe else 'no '}num_experts): set model.model_base={base}")
-    dtype = DTYPES[get("dtype", "float32") or "float32"]
+    dtype_name = get("dtype", "float32") or "float32"
+    if dtype_name not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
+    dtype = DTYPES[dtype_name]
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not native_cpu_bf16():
         warnings.warn("model.dtype=bfloat16 on a CPU without native bf16 products (oneDNN: no AVX-512): every "
                       "product runs hundreds of times slower than with model.dtype=float32", stacklevel=2)

@@ -87,6 +87,10 @@ def _block_adapter(model: Any, mask_id: int, block_length: int, tokenizer: Any) 
         raise ValueError(f"block_diffusion_generate is for TraDo / SDAR models (model_type 'sdar'), got "
                          f"{getattr(cfg, 'model_type', None)!r}: load other families with models.registry.load_model "
                          "and sample with sample.generate.generate")
+    rows = model.get_input_embeddings().num_embeddings
+    if not 0 <= mask_id < rows:
+        raise ValueError(f"mask_id {mask_id} is outside this model's vocabulary (ids 0 to {rows - 1}): pass the "
+                         "id of its mask token")
     spec = family_spec("sdar")
     pad = cfg.pad_token_id if isinstance(getattr(cfg, "pad_token_id", None), int) else mask_id
     return Adapter(model=model, model_base="sdar", family=spec.family, attention=spec.attention,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
@@ -66,13 +67,14 @@ def _one_prompt(prompts: Any) -> bool:
 def generate(adapter: Adapter, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | None = None,
              progress: bool = True) -> Rollout:
     """Sample one response per prompt with any adapter (block or full attention); see sample/*_sampler.py."""
-    params = params or SamplingParams()
+    params = sampling_params(params)
     params.check_for(adapter)  # settings this model cannot honour are refused, never silently ignored
     if isinstance(prompts, Iterator):  # looked at twice below
         prompts = list(prompts)
     if _one_prompt(prompts):  # a text, a 1-D tensor or list of ids, or one chat's messages: a batch of one
         prompts = [prompts]
     ids = [encode_prompt(adapter, p) for p in prompts]
+    check_token_ids(adapter, ids)
     stop_ids = params.stop_ids(adapter.tokenizer, tuple(adapter.eos_ids), tuple(adapter.stop_ids))
     limit = adapter.position_limit
     bar = tqdm(total=len(ids), desc="sampling", unit="prompt", disable=not progress, leave=False)
@@ -96,6 +98,31 @@ def generate(adapter: Adapter, prompts: Sequence[Prompt] | Prompt, params: Sampl
         bar.close()
     sampler.stats.wall_time = time.perf_counter() - start
     return Rollout(trajectories, sampler.stats)
+
+
+def sampling_params(params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+    """``params`` as SamplingParams: None is the defaults, a mapping holds its fields (checked as the class does)."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, Mapping):
+        unknown = sorted(set(params) - {f.name for f in dataclasses.fields(SamplingParams)})
+        if unknown:
+            raise TypeError(f"unknown sampling setting {unknown[0]!r} (the fields of sample.params.SamplingParams)")
+        return SamplingParams(**params)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params is a SamplingParams or a dict of its fields, got {type(params).__name__}")
+    return params
+
+
+def check_token_ids(adapter: Adapter, prompts: list[list[int]]) -> None:
+    """A clear error for a prompt holding an id the model has no embedding for (torch says only 'index out of
+    range')."""
+    rows = adapter.model.get_input_embeddings().num_embeddings
+    for index, prompt in enumerate(prompts):
+        bad = next((t for t in prompt if not 0 <= t < rows), None)
+        if bad is not None:
+            raise ValueError(f"prompt {index} holds token id {bad}, outside the model's vocabulary (ids 0 to "
+                             f"{rows - 1})")
 
 
 def compute_precision(adapter: Adapter, params: SamplingParams) -> contextlib.AbstractContextManager:

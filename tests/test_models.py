@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import json
 import os
 
@@ -228,6 +229,26 @@ def test_unknown_model_base(tmp_path):
 def test_missing_path(tmp_path):
     with pytest.raises(ModelLoadError, match="not a folder with a config.json"):
         load_model({"pretrained_model": str(tmp_path / "nope"), "model_base": "sdar"})
+
+
+def test_a_typo_or_an_unknown_dtype_in_a_plain_dict_is_one_line(tmp_path, demo_tokenizer):
+    with pytest.raises(ModelLoadError, match="unknown model key 'pretrained_modle' \\(did you mean "
+                                             "'pretrained_model'\\?\\); load_model reads pretrained_model, "):
+        load_model({"pretrained_modle": str(tmp_path), "model_base": "sdar"})
+    path = save_tiny_checkpoint(tmp_path / "s", "sdar", demo_tokenizer, size="test")
+    with pytest.raises(ModelLoadError, match="dtype 'bf16' is not one of float32, bfloat16, float16"):
+        load_model({"pretrained_model": str(path), "model_base": "sdar", "dtype": "bf16"})
+
+
+def test_model_load_keys_cover_every_job_model_key():
+    """A job's model section passed as a dict (to_dict) must load: every field is a key load_model knows."""
+    from core.schema import to_dict
+    from jobs.config import load_config
+    from models.registry import _check_model_keys
+
+    for config, kind in (("configs/demo/rl_demo.yaml", "rl"), ("configs/demo/eval_demo.yaml", "eval"),
+                         ("configs/demo/sft_demo.yaml", "sft")):
+        _check_model_keys(to_dict(load_config([f"config={config}"], kind, stream=io.StringIO()).model))
 
 
 def test_model_type_mismatch(tmp_path, demo_tokenizer):

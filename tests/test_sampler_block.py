@@ -313,6 +313,23 @@ def test_empty_prompt_and_chat_prompts(sdar):
         generate(sdar, [[1, 2.5]], _greedy(max_tokens=4), progress=False)  # named by the item that is no id
 
 
+
+def test_python_api_mistakes_are_one_line_errors(sdar):
+    rows = sdar.model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=f"prompt 1 holds token id {rows}, outside the model's vocabulary "
+                                         f"\\(ids 0 to {rows - 1}\\)"):
+        generate(sdar, [[1, 2], [3, rows]], _greedy(max_tokens=4), progress=False)
+    with pytest.raises(ValueError, match="prompt 0 holds token id -1"):
+        generate(sdar, [[-1]], _greedy(max_tokens=4), progress=False)
+    as_dict = generate(sdar, [[1, 2]], {"max_tokens": 4, "temperature": 0.0, "stop_token_ids": [],
+                                        "ignore_eos": True}, progress=False)
+    assert as_dict[0].response_ids == generate(sdar, [[1, 2]], _greedy(max_tokens=4), progress=False)[0].response_ids
+    with pytest.raises(TypeError, match="unknown sampling setting 'temprature'"):
+        generate(sdar, [[1, 2]], {"temprature": 0.0}, progress=False)
+    with pytest.raises(TypeError, match="params is a SamplingParams or a dict of its fields, got str"):
+        generate(sdar, [[1, 2]], "greedy", progress=False)
+
+
 class _ThinkAdapter(Adapter):
     """Pushes every prediction towards ``<think>`` to check that added tokens decode as themselves."""
 

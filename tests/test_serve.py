@@ -500,6 +500,9 @@ def test_block_diffusion_generate_matches_the_sampler(sdar):
     assert torch.equal(again, out)
     # the reference function's default (Gen-Verse/dLLM-RL generate.py); the card passes 0.9
     assert inspect.signature(block_diffusion_generate).parameters["confidence_threshold"].default == 0.85
+    rows = sdar.model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=f"mask_id 151669 is outside this model's vocabulary \\(ids 0 to {rows - 1}"):
+        block_diffusion_generate(sdar.model, torch.tensor(ids), mask_id=151669)  # the card's id on another model
 
 
 def test_serve_entry_reports_config_errors_in_one_line(capsys):
