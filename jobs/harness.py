@@ -151,7 +151,7 @@ class DiffusionLM(LM):
         return ids[-keep:]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-        raise NotImplementedError(ROLLING_REFUSAL)
+        raise UnsupportedRequestError(f"{MODEL_NAME}: {ROLLING_REFUSAL}")
 
     def _greedy_matches(self, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
         """Whether greedy decoding (one token per step, no stops) of each context gives its continuation."""
@@ -225,6 +225,10 @@ class DiffusionLM(LM):
 
 class HarnessArgError(UserError, ValueError):
     """A model_args or gen_kwargs value lm-eval passed that our model cannot take (one line at the command line)."""
+
+
+class UnsupportedRequestError(UserError, NotImplementedError):
+    """A kind of lm-eval request our model cannot answer (perplexity tasks): one line at the command line."""
 
 
 def _model_arg(name: str, value: Any, tp: type, least: int | None = None) -> Any:

@@ -192,10 +192,12 @@ def test_loglikelihood_and_is_greedy(harness_lm):
 
 
 def test_loglikelihood_rolling_is_refused(harness_lm):
+    from core.errors import UserError
     from jobs.harness import ROLLING_REFUSAL
 
-    with pytest.raises(NotImplementedError, match="lower bound"):
+    with pytest.raises(NotImplementedError, match="lower bound") as err:  # lm-eval's own word for it, and ...
         harness_lm.loglikelihood_rolling(_requests(("some text",)))
+    assert isinstance(err.value, UserError)  # ... a user error: `python -m lm_eval_dllm` prints one line, exit 2
     assert "\n" not in ROLLING_REFUSAL
 
 
