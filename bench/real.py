@@ -180,7 +180,7 @@ class Stages:
         """``python -m tools.a2d`` from the AR source to ``target`` (its a2d arguments), written to ``out``."""
         gguf = ["--gguf-file", self.args.gguf_file] if self.args.gguf_file else []
         return self.command(stage, ["-m", "tools.a2d", "--source", self.args.source, *gguf, "--to", *target,
-                                    "--out", str(out)])
+                                    "--out", str(out), "--overwrite"])  # a stage run again replaces its model
 
     def run(self, stages: list[str]) -> dict:
         """The ``stages`` in order (each needs what the stages before it wrote); the report (figures and seconds

@@ -46,12 +46,13 @@ def load_ar(source: str | Path, gguf_file: str | None = None) -> tuple[Any, Any]
     source = Path(source)
     if not source.is_dir():
         raise ConversionError(f"--source {source}: not a folder (a local Hugging Face checkpoint)")
+    _refuse_diffusion_source(source)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(str(source), trust_remote_code=False, **extra)
     except Exception as err:  # noqa: BLE001 - one line, not a traceback
         raise ConversionError(f"--source {source}: cannot read its config ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:200]})") from None
+                              f"{_first_words(err)})") from None
     check_source(config)
     tokenizer = _load(source, "tokenizer", AutoTokenizer.from_pretrained, **extra)  # cheap: fails before the weights
     model = _load(source, "weights", AutoModelForCausalLM.from_pretrained, dtype=torch.float32, **extra)
@@ -63,7 +64,30 @@ def _load(source: Path, what: str, loader: Any, **kwargs: Any) -> Any:
         return loader(str(source), trust_remote_code=False, **kwargs)
     except Exception as err:  # noqa: BLE001 - one line, not a traceback
         raise ConversionError(f"--source {source}: cannot load its {what} ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:200]})") from None
+                              f"{_first_words(err)})") from None
+
+
+def _first_words(err: Exception, limit: int = 200) -> str:
+    """An error's first line, cut at a word (not mid-word) when it runs past ``limit`` characters."""
+    line = (str(err).strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _refuse_diffusion_source(source: Path) -> None:
+    """One line for a source that is already one of our diffusion families (transformers knows none of them)."""
+    import json
+
+    from models.registry import FAMILIES
+
+    try:
+        model_type = json.loads((source / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable config.json (a GGUF folder): transformers reads what there is
+    bases = [base for base, spec in FAMILIES.items() if model_type in spec.model_types]
+    if bases:
+        raise ConversionError(f"--source {source}: already a diffusion checkpoint (model_type {model_type!r}, "
+                              f"model_base {' / '.join(bases)}); a2d converts autoregressive Llama / Qwen2 / "
+                              "Qwen3 models")
 
 
 def check_source(config: Any) -> None:
@@ -159,12 +183,21 @@ def converted_state(ar_model: Any, vocab: int, config: Any, mask_id: int) -> dic
     return state
 
 
-def convert(source: str | Path, to: str, out: str | Path, block_size: int = 4, mask_token: str = "<|mask|>",
-            gguf_file: str | None = None) -> Path:
+def convert(source: str | Path, to: str, out: str | Path, block_size: int | None = None,
+            mask_token: str = "<|mask|>", gguf_file: str | None = None, overwrite: bool = False) -> Path:
     """Write ``out``: the converted checkpoint (config, safetensors, tokenizer) that ``load_model`` and
-    ``AutoModelForCausalLM`` read."""
+    ``AutoModelForCausalLM`` read. ``block_size``: sdar only (default 4). ``overwrite``: replace the files of a
+    non-empty ``out`` (refused otherwise)."""
     if to not in TARGETS:
         raise ConversionError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
+    if to == "dream" and block_size is not None:
+        raise ConversionError(f"--block-size {block_size} has no effect with --to dream (full attention: no blocks; "
+                              "a sampler's block size is a sampling setting): leave it out")
+    block_size = 4 if block_size is None else block_size
+    if block_size < 1:
+        raise ConversionError(f"--block-size must be at least 1, got {block_size}")
+    if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
+        raise ConversionError(f"--out {out} is a folder that holds files: choose another, or pass --overwrite")
     ar_model, tokenizer = load_ar(source, gguf_file)
     ar = ar_model.config
     mask_id = add_mask_token(tokenizer, mask_token)

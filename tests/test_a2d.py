@@ -136,6 +136,21 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
         convert(src, "dream", tmp_path / "z", mask_token=ar_tokenizer.eos_token)
     with pytest.raises(ConversionError, match=r"not a folder"):
         convert(tmp_path / "missing", "dream", tmp_path / "w")
+    with pytest.raises(ConversionError, match=r"^--block-size 4 has no effect with --to dream"):
+        convert(src, "dream", tmp_path / "w", block_size=4)
+    with pytest.raises(ConversionError, match=r"^--block-size must be at least 1, got 0"):
+        convert(src, "sdar", tmp_path / "w", block_size=0)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match=f"^--out {tmp_path / 'full'} is a folder that holds files: choose "
+                                              "another, or pass --overwrite"):
+        convert(src, "dream", tmp_path / "full")
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+    out = convert(src, "sdar", tmp_path / "sdar_once", block_size=4)
+    with pytest.raises(ConversionError, match=r"already a diffusion checkpoint \(model_type 'sdar', model_base .*sdar"):
+        convert(out, "sdar", tmp_path / "twice")  # transformers does not know the family: said in our words
+    assert convert(src, "sdar", out, block_size=2, overwrite=True) == out
+    assert json.loads((out / "config.json").read_text())["block_size"] == 2
     import shutil
 
     for what, pattern in (("weights", "model.safetensors"), ("tokenizer", "tokenizer*")):

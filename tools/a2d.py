@@ -18,13 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", required=True, help="local folder of a Llama / Qwen2 / Qwen3 causal LM")
     ap.add_argument("--to", required=True, choices=TARGETS, help="dream: full attention, shifted; sdar: blocks")
     ap.add_argument("--out", required=True, help="folder to write the converted checkpoint to")
-    ap.add_argument("--block-size", type=int, default=4, help="sdar: the block size")
+    ap.add_argument("--block-size", type=int, default=None, help="sdar only: the block size (default 4)")
     ap.add_argument("--mask-token", default="<|mask|>", help="the new mask token's text")
     ap.add_argument("--gguf-file", default=None, help="a GGUF file inside --source (read by transformers)")
+    ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out (refused otherwise)")
     args = ap.parse_args(argv)
 
     def job() -> None:
-        out = convert(args.source, args.to, args.out, args.block_size, args.mask_token, args.gguf_file)
+        out = convert(args.source, args.to, args.out, args.block_size, args.mask_token, args.gguf_file,
+                      args.overwrite)
         print(f"wrote {out} ({args.to}; model_base: {args.to})")
 
     return run_job(job)  # a user error: one line, exit status 2
