@@ -74,6 +74,20 @@ _RENAMED_SECTIONS = ("rollout", "evaluation")
 _WRITTEN: dict[str, str] = {}
 
 
+# notes a section's validate() raises while load() builds the config (printed with the file's name); None when no
+# load is under way (a note is printed at once)
+_VALIDATION_NOTES: list[str] | None = None
+
+
+def note(line: str) -> None:
+    """A notice from a section's checks (a setting with no effect, not worth a refusal): printed by the loading
+    ``load`` with the config file's name, on its stream."""
+    if _VALIDATION_NOTES is None:
+        print(f"note: {line}", file=sys.stderr, flush=True)
+    else:
+        _VALIDATION_NOTES.append(line)
+
+
 def as_written(key: str) -> str:
     """``key`` as the user spelled it (``rollout.denoising_steps`` -> ``rollout.denoising_steps_per_block`` when the
     config used the reference's name)."""
@@ -553,10 +567,15 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
                 cfg[section][name] = "${" + f"{leader}.{name}" + "}"
     if OmegaConf.is_missing(cfg.experiment, "project"):
         cfg.experiment.project = Path(path).stem
+    global _VALIDATION_NOTES
+    _VALIDATION_NOTES = []
     try:
         out = build(schema, cfg, sources, path, texts=texts)
     except ConfigError as err:
         raise _user_spelling(err) from None
+    finally:
+        notices += [f"note: {path}: {line}" for line in _VALIDATION_NOTES]
+        _VALIDATION_NOTES = None
     for line in notices:
         print(line, file=stream or sys.stderr)
     return out

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from core.loader import ConfigError, load, required
+from core.loader import ConfigError, load, note, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
 from data.builtin import BUILTIN, builtin_kind
 from models.kinds import ATTENTION_OF
@@ -524,7 +524,7 @@ def refuse_ignored_settings(t: Any, method: str, shown: str = "", readers: dict[
     if refusal:
         raise SettingError(f"training.{key}", refusal)
     for line in unread_view_notes(method, changed, shown, readers):
-        print(line, file=sys.stderr, flush=True)
+        note(line)  # printed with the config file's name
 
 
 SCHEMAS: dict[str, type] = {"rl": RLConfig, "eval": EvalConfig, "sft": SFTConfig, "serve": ServeConfig}

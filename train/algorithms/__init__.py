@@ -160,7 +160,7 @@ def unread_view_notes(method: str, settings: dict[str, object], shown: str = "",
     name = shown or entry.display or method  # ``shown``: the method as the config spells it
     if readers is None:
         readers = {REGISTRY[n].display or n: n for n in RL_METHODS}
-    return [f"note: training.{key} {value!r} has no effect with training.method {name!r}: its rows do not read it "
+    return [f"training.{key} {value!r} has no effect with training.method {name!r}: its rows do not read it "
             f"(read by {', '.join(s for s, n in readers.items() if key in REGISTRY[n].reads)})"
             for key, value in settings.items() if key in VIEW_KEYS and key not in entry.reads]
 
