@@ -70,7 +70,7 @@ def check_model_folders(cfg) -> None:
     from pathlib import Path
 
     from jobs.config import DEMO_MODEL_DIRS
-    from models.errors import ModelLoadError
+    from models.errors import ModelLoadError, not_a_model_folder
 
     if not getattr(cfg.experiment, "start_from_scratch", True):
         return
@@ -78,11 +78,13 @@ def check_model_folders(cfg) -> None:
     demo = model.init_tiny_if_missing and Path(model.pretrained_model).as_posix().rstrip("/") in DEMO_MODEL_DIRS
     for key in ("pretrained_model", "value_base_model", "adapter"):
         path = getattr(model, key, None)
-        if path and not (key == "pretrained_model" and demo) and not (Path(path) / (
-                "adapter_config.json" if key == "adapter" else "config.json")).is_file():
-            raise ModelLoadError(f"model.{key} {str(path)!r} is not a folder with "
-                                 f"{'an adapter_config.json' if key == 'adapter' else 'a config.json'} (weights "
-                                 "cannot be downloaded at run time; download the checkpoint first)")
+        if not path or (key == "pretrained_model" and demo):
+            continue
+        if key == "adapter" and not (Path(path) / "adapter_config.json").is_file():
+            raise ModelLoadError(f"model.adapter {str(path)!r} is not a folder with an adapter_config.json (a LoRA "
+                                 "adapter in peft's format)")
+        if key != "adapter" and not (Path(path) / "config.json").is_file():
+            raise ModelLoadError(not_a_model_folder(path, f"model.{key}"))
 
 
 def accelerate_config_size(path) -> tuple[int, int]:

@@ -399,7 +399,7 @@ class ServeConfig(Settings):
     """serve.py: an OpenAI-compatible HTTP server; ``rollout`` holds the default sampling settings of requests."""
 
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)  # model.adapter: a LoRA adapter merged at load
     rollout: SamplingParams = field(default_factory=SamplingParams)
     server: ServerConfig = field(default_factory=ServerConfig)
     system: SystemConfig = field(default_factory=SystemConfig)

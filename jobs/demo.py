@@ -16,6 +16,7 @@ from typing import Any
 
 from core.entry import Terminated, launched
 from jobs.config import DEMO_MODEL_DIRS
+from models.errors import not_a_model_folder
 from models.registry import ModelLoadError
 
 # The demo's SFT models and the config that trains each: arithmetic (the RL demo's start) and Countdown (the
@@ -40,6 +41,8 @@ def ensure_demo_model(model_cfg: Any) -> None:
     if not model_cfg.init_tiny_if_missing or (path / "config.json").is_file():
         return
     if path.as_posix().rstrip("/") not in DEMO_MODEL_DIRS:
+        if path.exists():
+            raise ModelLoadError(not_a_model_folder(path))
         raise ModelLoadError(f"model path {str(path)!r} does not exist (model.init_tiny_if_missing only builds the "
                              f"demo's own paths: {', '.join(DEMO_MODEL_DIRS)})")
     sft_config = SFT_DEMOS.get(path.as_posix().rstrip("/"))

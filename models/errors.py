@@ -5,3 +5,14 @@ from core.errors import UserError
 
 class ModelLoadError(UserError, ValueError):
     """A user-facing loading problem (unknown model_base, missing path, mismatched checkpoint, bad tokenizer)."""
+
+
+def not_a_model_folder(path: object, name: str = "model path") -> str:
+    """The one line for a model folder without a ``config.json``; a LoRA adapter's folder is named as one."""
+    from pathlib import Path
+
+    if (Path(str(path)) / "adapter_config.json").is_file():
+        return (f"{name} {str(path)!r} holds a LoRA adapter, not a whole model: set it as model.adapter and its base "
+                "model as model.pretrained_model (or merge the two: python -m tools.merge_lora)")
+    return (f"{name} {str(path)!r} is not a folder with a config.json (weights cannot be downloaded at run time; "
+            "download the checkpoint first)")

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from models.common import AttentionLayout, KVCache
 from models.dream import DreamBaseModel, DreamConfig, DreamModel
-from models.errors import ModelLoadError
+from models.errors import ModelLoadError, not_a_model_folder
 from models.kinds import ATTENTION_OF
 from models.layers import native_cpu_bf16
 from models.llada import LLaDAConfig, LLaDAModel, LLaDAModelLM, MMadaConfig, MMadaModelLM
@@ -260,8 +260,7 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
     spec = family_spec(model_base)
     path = Path(str(get("pretrained_model")))
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model path {str(path)!r} is not a folder with a config.json "
-                             "(weights cannot be downloaded at run time; download the checkpoint first)")
+        raise ModelLoadError(not_a_model_folder(path))
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
         model_type = raw.get("model_type")

@@ -129,3 +129,18 @@ def test_the_demo_started_from_another_directory_trains_with_the_shipped_sft_con
     demo.ensure_demo_model(SimpleNamespace(pretrained_model="runs/sft_demo/ckpt/optimized", init_tiny_if_missing=True,
                                            model_base="sdar"))
     assert seen == [[f"config={ROOT / 'configs/demo/sft_demo.yaml'}", "experiment.overwrite=true"]]
+
+
+def test_a_demo_config_pointed_at_another_folder_says_what_the_folder_is(tmp_path):
+    from types import SimpleNamespace
+
+    from jobs import demo
+    from models.errors import ModelLoadError
+
+    cfg = SimpleNamespace(pretrained_model=str(tmp_path / "missing"), init_tiny_if_missing=True)
+    with pytest.raises(ModelLoadError, match="does not exist \\(model.init_tiny_if_missing only builds the demo's"):
+        demo.ensure_demo_model(cfg)
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text("{}")  # a LoRA run's checkpoint: it exists
+    with pytest.raises(ModelLoadError, match="holds a LoRA adapter, not a whole model"):
+        demo.ensure_demo_model(SimpleNamespace(pretrained_model=str(tmp_path / "lora"), init_tiny_if_missing=True))

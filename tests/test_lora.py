@@ -228,6 +228,9 @@ def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_pat
     ev = load_config(["config=configs/demo/eval_demo.yaml", f"model.pretrained_model={ckpts[family]}",
                       f"model.model_base={family}", f"model.adapter={policy}"], "eval")
     assert (logits(load_model(ev.model)) - trained).abs().max() < 1e-5
+    served = load_config(["config=configs/demo/serve_demo.yaml", f"model.pretrained_model={ckpts[family]}",
+                          f"model.model_base={family}", f"model.adapter={policy}"], "serve")
+    assert (logits(load_model(served.model)) - trained).abs().max() < 1e-5  # serve.py loads the model as eval does
 
 
 @pytest.mark.parametrize("method", ["random_masking", "coupled"])

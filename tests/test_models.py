@@ -229,6 +229,11 @@ def test_unknown_model_base(tmp_path):
 def test_missing_path(tmp_path):
     with pytest.raises(ModelLoadError, match="not a folder with a config.json"):
         load_model({"pretrained_model": str(tmp_path / "nope"), "model_base": "sdar"})
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="holds a LoRA adapter, not a whole model: set it as model.adapter and "
+                                             "its base model as model.pretrained_model"):
+        load_model({"pretrained_model": str(tmp_path / "lora"), "model_base": "sdar"})
 
 
 def test_a_typo_or_an_unknown_dtype_in_a_plain_dict_is_one_line(tmp_path, demo_tokenizer):
