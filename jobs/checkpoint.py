@@ -22,6 +22,7 @@ from accelerate.utils import DistributedType
 
 from core.files import RunDirError, fsync_tree, run_dir_entries, write_atomic
 from jobs.dist import barrier, is_main
+from models.lora import write_base_fingerprint
 
 
 def check_fresh_run_dir(root: Path, overwrite: bool) -> None:
@@ -66,6 +67,7 @@ def save_checkpoint(trainer: Any, ckpt: Path, extra: dict | None = None, acceler
     main = is_main(acc)
     if main:
         acc.unwrap_model(model).save_pretrained(ckpt / "policy", state_dict=state, safe_serialization=True)
+        write_base_fingerprint(acc.unwrap_model(model), ckpt / "policy")  # LoRA: which base the adapter is for
         trainer.adapter.tokenizer.save_pretrained(ckpt / "policy")
     if accelerator_state:
         with _without_model_weights(acc):

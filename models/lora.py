@@ -15,8 +15,10 @@ weights, adapter checkpoints and merging an adapter into a whole checkpoint.
   repeated merge / unmerge would drift the frozen weights in 16-bit); the copies cost one transient copy of the
   adapted weights. 4-bit (QLoRA) layers are not merged (it would requantise): they sample as is.
 * Checkpoints: a PeftModel's ``save_pretrained`` writes the adapter in peft's format (``adapter_config.json``,
-  ``adapter_model.safetensors``); ``python -m tools.merge_lora`` writes a whole checkpoint with the adapter merged
-  (``merged_model``) that ``load_model`` and eval.py read; ``load_model`` with ``model.adapter`` merges one at load.
+  ``adapter_model.safetensors``) and a sample of the base weights (``base_fingerprint.json``: an adapter loaded on
+  another base of the same shapes is refused); ``python -m tools.merge_lora`` writes a whole checkpoint with the
+  adapter merged (``merged_model``) that ``load_model`` and eval.py read; ``load_model`` with ``model.adapter`` merges
+  one at load.
 
 The family's default targets come with the adapter (``Adapter.lora_targets``): this module reads nothing of the
 registry, which imports it.
@@ -36,6 +38,11 @@ from core.schema import SettingError, Settings, bounded
 from models.errors import ModelLoadError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# a sample of the base model's weights, saved beside an adapter: loading it on another base of the same shapes (a
+# fine-tuned copy, the model it started from) is refused, where shapes alone cannot tell
+BASE_FINGERPRINT = "base_fingerprint.json"
+_FINGERPRINT_VALUES = 8  # sampled values per weight tensor
+_FINGERPRINT_RTOL = 2e-2  # a base loaded in another dtype (bf16, fp16, fp32) still matches
 
 
 @dataclass
@@ -150,9 +157,12 @@ def wrapped_model(model: Any, settings: LoraSettings, family_targets: Sequence[s
     if also_save:
         config.modules_to_save = sorted({*(config.modules_to_save or ()), *also_save})
     devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
+    fingerprint = base_fingerprint(model)
     with torch.random.fork_rng(devices=devices):  # a seeded init that leaves the caller's RNG as it was
         torch.manual_seed(settings.init_seed)
-        return get_peft_model(model, config)
+        wrapped = get_peft_model(model, config)
+    wrapped.dllm_base_fingerprint = fingerprint  # saved beside the adapter (write_base_fingerprint)
+    return wrapped
 
 
 def _check_adapter_fits(model: Any, path: Path) -> None:
@@ -188,17 +198,76 @@ def _check_adapter_fits(model: Any, path: Path) -> None:
                                          f"{kind} is {list(shape)})")
 
 
+def base_fingerprint(model: Any) -> dict[str, list[float]]:
+    """A few evenly spaced values of every floating-point weight of a plain (unwrapped) base model, by name.
+    Quantized (4-bit) and partitioned (ZeRO-3, empty) tensors are left out."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_floating_point() or param.numel() == 0:
+                continue
+            flat = param.detach().reshape(-1)
+            index = torch.linspace(0, flat.numel() - 1, min(_FINGERPRINT_VALUES, flat.numel())).long()
+            out[name] = flat[index.to(flat.device)].float().cpu().tolist()
+    return out
+
+
+def write_base_fingerprint(model: Any, folder: Path) -> None:
+    """Save the fingerprint of the base a PeftModel was wrapped on (taken when it was wrapped) beside its adapter."""
+    import json
+
+    fingerprint = getattr(model, "dllm_base_fingerprint", None)
+    if fingerprint:
+        (Path(folder) / BASE_FINGERPRINT).write_text(json.dumps(fingerprint), encoding="utf-8")
+
+
+def _check_same_base(fingerprint: dict[str, list[float]], path: Path) -> None:
+    """One line when the adapter's saved fingerprint says it was trained on another base model."""
+    import json
+
+    saved_file = path / BASE_FINGERPRINT
+    if not saved_file.is_file() or not fingerprint:
+        return  # an adapter from elsewhere (peft, an older run): shapes are all that can be checked
+    try:
+        saved = json.loads(saved_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{saved_file}: unreadable ({type(e).__name__}); remove it to skip the check") from None
+    pairs = [(a, b) for name in saved.keys() & fingerprint.keys() for a, b in zip(saved[name], fingerprint[name])]
+    differ = sum(abs(a - b) > _FINGERPRINT_RTOL * abs(a) + 1e-6 for a, b in pairs)
+    if pairs and differ > len(pairs) // 10:
+        base = _adapter_base_name(path)
+        raise ModelLoadError(f"{path}: the adapter was trained on another base model ({differ} of {len(pairs)} "
+                             f"sampled base weights differ{'; it was trained on ' + repr(base) if base else ''}): "
+                             "load it on its own base (or remove its base_fingerprint.json to force it)")
+
+
+def _adapter_base_name(path: Path) -> str:
+    import json
+
+    try:
+        return str(json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+                   or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 def load_adapter(model: Any, path: str | Path, trainable: bool = False) -> Any:
     """``PeftModel.from_pretrained(model, path)`` after checking the adapter fits the model (one-line errors)."""
     from peft import PeftModel
 
     path = Path(path)
     _check_adapter_fits(model, path)
+    fingerprint = base_fingerprint(model)
+    _check_same_base(fingerprint, path)
     try:
-        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+        wrapped = PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
     except Exception as e:  # noqa: BLE001 - a broken adapter folder: one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ModelLoadError(f"{path}: cannot load the adapter ({type(e).__name__}: {first[:300]})") from None
+    wrapped.dllm_base_fingerprint = fingerprint  # saved with the adapter's next checkpoint
+    return wrapped
 
 
 def merged_model(model: Any, path: str | Path) -> Any:

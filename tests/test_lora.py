@@ -231,6 +231,15 @@ def test_lora_rl_run_trains_the_adapter_only_and_saves_it_in_peft_format(tmp_pat
     served = load_config(["config=configs/demo/serve_demo.yaml", f"model.pretrained_model={ckpts[family]}",
                           f"model.model_base={family}", f"model.adapter={policy}"], "serve")
     assert (logits(load_model(served.model)) - trained).abs().max() < 1e-5  # serve.py loads the model as eval does
+    # another base of the same shapes (another seed, or a bf16 copy of its own): refused / accepted
+    assert (policy / "base_fingerprint.json").is_file()
+    other = save_tiny_checkpoint(tmp_path / "other", family, loaded.tokenizer, size="test", seed=7)
+    with pytest.raises(ModelLoadError, match=r"the adapter was trained on another base model \(\d+ of \d+ sampled "
+                                             r"base weights differ; it was trained on "):
+        load_model({"pretrained_model": str(other), "model_base": family, "adapter": str(policy)})
+    bf16 = load_model({"pretrained_model": str(ckpts[family]), "model_base": family, "dtype": "bfloat16",
+                       "adapter": str(policy)})  # the same base in another dtype loads
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("method", ["random_masking", "coupled"])
@@ -349,3 +358,17 @@ def test_lora_under_two_processes_keeps_ranks_identical(tmp_path, ckpts, config,
     # whole adapters, not ZeRO-3 shards: [out, rank] (an expert tensor's: [out, rank x experts])
     assert lora_b and all(t.dim() == 2 and t.shape[-1] in (LORA["lora.rank"], LORA["lora.rank"] * 8) for t in lora_b)
     assert max(float(t.float().abs().max()) for t in lora_b) > 0  # B starts at 0: the adapters were trained
+
+
+def test_the_base_check_tolerates_another_dtype_and_catches_a_fine_tuned_copy(tmp_path):
+    from models.lora import BASE_FINGERPRINT, _check_same_base
+
+    saved = {f"layer{i}.weight": [0.02 * (j - 3.5) for j in range(8)] for i in range(10)}
+    (tmp_path / BASE_FINGERPRINT).write_text(json.dumps(saved))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "runs/base"}))
+    rounded = {k: [v * (1 + 2 ** -9) for v in vs] for k, vs in saved.items()}  # bf16's worst rounding
+    _check_same_base(rounded, tmp_path)
+    _check_same_base({"other.weight": [1.0]}, tmp_path)  # no name in common: nothing to compare
+    tuned = {k: [v * 1.05 for v in vs] for k, vs in saved.items()}  # every weight moved by 5%
+    with pytest.raises(ModelLoadError, match="80 of 80 sampled base weights differ; it was trained on 'runs/base'"):
+        _check_same_base(tuned, tmp_path)
