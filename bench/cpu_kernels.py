@@ -134,7 +134,8 @@ def bench_threads(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8, help="layers whose weights are cycled")
     ap.add_argument("--tokens", type=int, nargs="+", default=[4, 8, 128])

@@ -608,7 +608,7 @@ def _fold_query_heads(device: str, choice: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, batches 1 and 4 (a smoke run of this script)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens sampled per prompt")

@@ -212,7 +212,7 @@ def table(results: dict, params: int, size: str, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a ~10M model (smoke run)")
     ap.add_argument("--tasks", type=int, default=4, help="RL: tasks per step")
     ap.add_argument("--k", type=int, default=4, help="RL: completions per task")

@@ -392,7 +392,7 @@ def _json_safe(obj):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.methods", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 4 steps, 4 tasks per step, arithmetic")
     ap.add_argument("--methods", help="comma-separated subset (default: every RL method of the registry)")
     ap.add_argument("--tasks", help=f"comma-separated subset of {', '.join(TASKS)} (default: all; --quick: "

@@ -104,7 +104,7 @@ def compare_samplers(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)

@@ -48,7 +48,8 @@ def adam_steps(weights: list[torch.Tensor], grads: list[torch.Tensor], steps: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.optimizer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=5)

@@ -154,7 +154,7 @@ def memory_table(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.rl_step", description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)

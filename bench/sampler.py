@@ -286,7 +286,8 @@ def _cpu_flags() -> set[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.sampler", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,

@@ -62,7 +62,8 @@ def trajectories(args: argparse.Namespace, vocab: int) -> list[Trajectory]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.shared_prompts", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="135m")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=16, help="samples per prompt")

@@ -162,7 +162,8 @@ def _child(argv: list[str] | None, layout: str, logits: str, attention: str, mea
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--l0", type=int, default=128, help="prompt length")
     p.add_argument("--l1", type=int, default=512, help="response length")
     p.add_argument("--block", type=int, default=4)
