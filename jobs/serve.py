@@ -431,6 +431,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     loc = [str(part) for part in err.get("loc", ()) if part != "body"]
     if err.get("type") == "json_invalid":
         return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    if not loc and err.get("type") in ("model_attributes_type", "dict_type"):  # a list, a string, or not JSON
+        return "the request body must be a JSON object (sent with Content-Type: application/json)", None
     field = loc[0] if loc else None
     path = ".".join(loc) or "body"
     if err.get("type") == "extra_forbidden":

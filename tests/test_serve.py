@@ -249,6 +249,10 @@ def test_bad_requests_get_4xx_naming_the_field(server):
     resp = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "tiny", "messages": [', timeout=10,
                       headers={"content-type": "application/json"})
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    for body, kind in ((b'{"model": "tiny", "prompt": "hi"}', "text/plain"), (b'["tiny"]', "application/json")):
+        resp = httpx.post(f"{url}/v1/completions", content=body, timeout=10, headers={"content-type": kind})
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == (
+            "the request body must be a JSON object (sent with Content-Type: application/json)")
     resp = httpx.post(f"{url}/v1/completions", json={"model": "tiny"}, timeout=10)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
     for empty, message in (("", "prompt must not be empty"), ([[]], "prompt must not be empty"),
