@@ -19,7 +19,7 @@ from sample.trajectory import read_jsonl
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.trace_viewer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trajectories", required=True, help="rollouts JSONL (one Trajectory per line)")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer folder (loaded offline with AutoTokenizer)")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer folder (loaded offline, as the jobs load it)")
     parser.add_argument("--out", default="trace.html", help="output HTML file")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--index", type=int, default=None, help="0-based line of the trajectory to show (default 0)")
@@ -52,14 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     tok_dir = Path(args.tokenizer)
     if not tok_dir.is_dir():
         parser.error(f"--tokenizer {tok_dir}: not a directory")
-    from transformers import AutoTokenizer
+    from models.registry import ModelLoadError, load_tokenizer  # registers our model types (no config warning)
 
     try:
-        # trust_remote_code=False: never run or ask (on a terminal) about a checkpoint's custom tokenizer code.
-        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        parser.error(f"--tokenizer {tok_dir}: cannot load a tokenizer ({first.strip()})")
+        tokenizer = load_tokenizer(tok_dir)  # never runs (or asks about) a checkpoint's custom tokenizer code
+    except ModelLoadError as e:
+        parser.error(f"--tokenizer {tok_dir}: {e}")
     vocab = len(tokenizer)
     for i, t in enumerate(trajs):
         outside = [x for x in (*t.prompt_ids, *t.response_ids) if not 0 <= x < vocab]
