@@ -568,14 +568,14 @@ def load(argv: Sequence[str], schema: type, unsupported: dict[str, str] | None =
     if OmegaConf.is_missing(cfg.experiment, "project"):
         cfg.experiment.project = Path(path).stem
     global _VALIDATION_NOTES
-    _VALIDATION_NOTES = []
+    outer, _VALIDATION_NOTES = _VALIDATION_NOTES, []  # a load inside a section's checks keeps its own notes
     try:
         out = build(schema, cfg, sources, path, texts=texts)
     except ConfigError as err:
         raise _user_spelling(err) from None
     finally:
         notices += [f"note: {path}: {line}" for line in _VALIDATION_NOTES]
-        _VALIDATION_NOTES = None
+        _VALIDATION_NOTES = outer
     for line in notices:
         print(line, file=stream or sys.stderr)
     return out

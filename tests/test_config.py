@@ -51,6 +51,11 @@ def test_all_expected_configs_are_shipped():
     assert {"rl_demo.yaml", "eval_demo.yaml", "sft_demo.yaml"} <= names
 
 
+# the one note a shipped config may give: the reference's rows per sample of Dream / LLaDA RL, kept for a run
+# switched to random_masking or coupled
+SWITCH_NOTE = "training.mask_times_per_sample 35 has no effect with training.method 'TraceRL'"
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_config_validates_and_round_trips(path, tmp_path):
     kind = job_kind(path)
@@ -59,7 +64,8 @@ def test_shipped_config_validates_and_round_trips(path, tmp_path):
         return
     notes = io.StringIO()
     cfg = load_config([f"config={path}"], kind, stream=notes)
-    assert notes.getvalue() == ""  # our own files carry no key without effect
+    # our own files carry no key without effect, but for one kept for a switch of method (SWITCH_NOTE)
+    assert all(SWITCH_NOTE in line for line in notes.getvalue().splitlines()), notes.getvalue()
     assert cfg.experiment.project == path.stem
     assert isinstance(cfg, SCHEMAS[kind])
     dumped = tmp_path / "config.yaml"
@@ -143,7 +149,10 @@ def test_shipped_configs_are_written_in_the_codes_words():
     for path in sorted(glob.glob(str(ROOT / "configs" / "**" / "*.yaml"), recursive=True)):
         notes = io.StringIO()
         load_config([f"config={path}"], job_kind(path), stream=notes)
-        assert notes.getvalue() == "", (path, notes.getvalue())
+        assert all(SWITCH_NOTE in line for line in notes.getvalue().splitlines()), (path, notes.getvalue())
+    coupled = load_config([f"config={ROOT / 'configs' / 'rl_dream.yaml'}", "training.method=coupled"], "rl",
+                          stream=io.StringIO())
+    assert coupled.training.mask_times_per_sample == 35
 
 
 def test_reference_dream_generation_length_reaches_the_sampler(tmp_path):
@@ -305,6 +314,11 @@ def test_cli_checks_files(tmp_path, capsys):
     assert main(["--kind", "rl", mine]) == 0 and f"ok     {mine}" in capsys.readouterr().out
     assert main(["--kind", "rl", str(tmp_path / "missing.yaml")]) == 1
     assert capsys.readouterr().out.strip() == f"error  {tmp_path / 'missing.yaml'}: file not found"
+    noted = _write(tmp_path, MINIMAL_RL + "training: {lower_p: 0.3}\n", "rl_noted.yaml")
+    assert main([noted]) == 0
+    assert capsys.readouterr().out.splitlines() == [  # the note under its file's ok line
+        f"ok     {noted}", f"note: {noted}: training.lower_p 0.3 has no effect with training.method 'TraceRL': its "
+        "rows do not read it (read by random_masking, coupled, coupled-GRPO)"]
 
 
 def test_config_errors_come_before_heavy_imports(tmp_path):
