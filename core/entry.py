@@ -70,19 +70,18 @@ def check_model_folders(cfg) -> None:
     from pathlib import Path
 
     from jobs.config import DEMO_MODEL_DIRS
-    from models.errors import ModelLoadError, not_a_model_folder
+    from models.errors import ModelLoadError, not_a_model_folder, not_an_adapter_folder
 
     if not getattr(cfg.experiment, "start_from_scratch", True):
         return
     model = cfg.model
-    demo = model.init_tiny_if_missing and Path(model.pretrained_model).as_posix().rstrip("/") in DEMO_MODEL_DIRS
+    built = {model.pretrained_model} if model.init_tiny_if_missing else set()  # a demo path: built by the job
     for key in ("pretrained_model", "value_base_model", "adapter"):
         path = getattr(model, key, None)
-        if not path or (key == "pretrained_model" and demo):
+        if not path or (path in built and Path(path).as_posix().rstrip("/") in DEMO_MODEL_DIRS):
             continue
         if key == "adapter" and not (Path(path) / "adapter_config.json").is_file():
-            raise ModelLoadError(f"model.adapter {str(path)!r} is not a folder with an adapter_config.json (a LoRA "
-                                 "adapter in peft's format)")
+            raise ModelLoadError(f"model.adapter: {not_an_adapter_folder(path)}")
         if key != "adapter" and not (Path(path) / "config.json").is_file():
             raise ModelLoadError(not_a_model_folder(path, f"model.{key}"))
 

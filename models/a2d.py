@@ -24,6 +24,7 @@ chat template and every other tokenizer file are kept. ``config.json`` records t
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -186,8 +187,8 @@ def converted_state(ar_model: Any, vocab: int, config: Any, mask_id: int) -> dic
 def convert(source: str | Path, to: str, out: str | Path, block_size: int | None = None,
             mask_token: str = "<|mask|>", gguf_file: str | None = None, overwrite: bool = False) -> Path:
     """Write ``out``: the converted checkpoint (config, safetensors, tokenizer) that ``load_model`` and
-    ``AutoModelForCausalLM`` read. ``block_size``: sdar only (default 4). ``overwrite``: replace the files of a
-    non-empty ``out`` (refused otherwise)."""
+    ``AutoModelForCausalLM`` read. ``block_size``: sdar only (default 4). ``overwrite``: replace a non-empty ``out``
+    (its files are removed first; refused otherwise)."""
     if to not in TARGETS:
         raise ConversionError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
     if to == "dream" and block_size is not None:
@@ -196,6 +197,8 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int | None
     block_size = 4 if block_size is None else block_size
     if block_size < 1:
         raise ConversionError(f"--block-size must be at least 1, got {block_size}")
+    if Path(out).resolve() == Path(source).resolve():
+        raise ConversionError(f"--out {out} is the --source folder: write the converted model to another")
     if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
         raise ConversionError(f"--out {out} is a folder that holds files: choose another, or pass --overwrite")
     ar_model, tokenizer = load_ar(source, gguf_file)
@@ -222,6 +225,8 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int | None
     if config.tie_word_embeddings:
         model.tie_weights()
     out = Path(out)
+    if overwrite and out.is_dir():
+        shutil.rmtree(out)  # no file of the earlier conversion stays (a stray weight shard would be read)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))

@@ -16,3 +16,8 @@ def not_a_model_folder(path: object, name: str = "model path") -> str:
                 "model as model.pretrained_model (or merge the two: python -m tools.merge_lora)")
     return (f"{name} {str(path)!r} is not a folder with a config.json (weights cannot be downloaded at run time; "
             "download the checkpoint first)")
+
+
+def not_an_adapter_folder(path: object) -> str:
+    """The one line for a LoRA adapter path without an ``adapter_config.json``."""
+    return f"{path} is not a LoRA adapter folder (no adapter_config.json; peft's format)"

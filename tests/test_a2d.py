@@ -149,7 +149,11 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
     out = convert(src, "sdar", tmp_path / "sdar_once", block_size=4)
     with pytest.raises(ConversionError, match=r"already a diffusion checkpoint \(model_type 'sdar', model_base .*sdar"):
         convert(out, "sdar", tmp_path / "twice")  # transformers does not know the family: said in our words
+    (out / "model-00002-of-00002.safetensors").write_text("stale")  # a shard of a larger earlier conversion
+    with pytest.raises(ConversionError, match="is the --source folder"):
+        convert(src, "sdar", src, overwrite=True)
     assert convert(src, "sdar", out, block_size=2, overwrite=True) == out
+    assert not (out / "model-00002-of-00002.safetensors").exists()
     assert json.loads((out / "config.json").read_text())["block_size"] == 2
     import shutil
 

@@ -178,5 +178,11 @@ def test_a_missing_model_folder_is_refused_before_any_process_is_launched(tmp_pa
             relaunch_if_requested(cfg, script, [])
     cfg = load_config([f"config={config}", "experiment.deepspeed_file=1_node_8_gpus_deepspeed_zero3"], kind,
                       stream=io.StringIO())
+    if kind == "rl":  # the value model started from the demo policy's folder, which the job builds first
+        cfg.model.value_base_model = cfg.model.pretrained_model
     with pytest.raises(SystemExit, match="execv"), mock.patch("os.execv", side_effect=SystemExit("execv")):
         relaunch_if_requested(cfg, script, [])  # a demo path: built on demand by the launched job
+    if kind == "eval":
+        cfg.model.adapter = str(tmp_path)
+        with pytest.raises(ModelLoadError, match=f"model.adapter: {tmp_path} is not a LoRA adapter folder"):
+            relaunch_if_requested(cfg, script, [])

@@ -360,13 +360,17 @@ def test_lora_under_two_processes_keeps_ranks_identical(tmp_path, ckpts, config,
     assert max(float(t.float().abs().max()) for t in lora_b) > 0  # B starts at 0: the adapters were trained
 
 
-def test_the_base_check_tolerates_another_dtype_and_catches_a_fine_tuned_copy(tmp_path):
-    from models.lora import BASE_FINGERPRINT, _check_same_base
+def test_the_base_check_tolerates_another_dtype_and_catches_a_base_moved_by_percents(tmp_path):
+    from models.lora import BASE_FINGERPRINT, _check_same_base, spread_indices
+
+    n = 151936 * 2560  # an SDAR-4B embedding: float32 linspace would give index n
+    assert spread_indices(n, 8).tolist() == [i * (n - 1) // 7 for i in range(8)] and spread_indices(3, 8).tolist() == [
+        0, 1, 2]
 
     saved = {f"layer{i}.weight": [0.02 * (j - 3.5) for j in range(8)] for i in range(10)}
     (tmp_path / BASE_FINGERPRINT).write_text(json.dumps(saved))
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "runs/base"}))
-    rounded = {k: [v * (1 + 2 ** -9) for v in vs] for k, vs in saved.items()}  # bf16's worst rounding
+    rounded = {k: [v * (1 + 2 ** -8) for v in vs] for k, vs in saved.items()}  # bf16's worst rounding
     _check_same_base(rounded, tmp_path)
     _check_same_base({"other.weight": [1.0]}, tmp_path)  # no name in common: nothing to compare
     tuned = {k: [v * 1.05 for v in vs] for k, vs in saved.items()}  # every weight moved by 5%

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=None, help="sdar only: the block size (default 4)")
     ap.add_argument("--mask-token", default="<|mask|>", help="the new mask token's text")
     ap.add_argument("--gguf-file", default=None, help="a GGUF file inside --source (read by transformers)")
-    ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out (refused otherwise)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a non-empty --out (its files are removed first; refused otherwise)")
     args = ap.parse_args(argv)
 
     def job() -> None:
