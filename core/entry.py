@@ -69,7 +69,7 @@ def check_model_folders(cfg) -> None:
     made before any process is launched). A resumed run loads its own checkpoint; a demo path is built on demand."""
     from pathlib import Path
 
-    from jobs.config import DEMO_MODEL_DIRS
+    from jobs.config import is_demo_model_dir
     from models.errors import ModelLoadError, not_a_model_folder, not_an_adapter_folder
 
     if not getattr(cfg.experiment, "start_from_scratch", True):
@@ -78,7 +78,7 @@ def check_model_folders(cfg) -> None:
     built = {model.pretrained_model} if model.init_tiny_if_missing else set()  # a demo path: built by the job
     for key in ("pretrained_model", "value_base_model", "adapter"):
         path = getattr(model, key, None)
-        if not path or (path in built and Path(path).as_posix().rstrip("/") in DEMO_MODEL_DIRS):
+        if not path or (path in built and is_demo_model_dir(path)):
             continue
         if key == "adapter" and not (Path(path) / "adapter_config.json").is_file():
             raise ModelLoadError(f"model.adapter: {not_an_adapter_folder(path)}")

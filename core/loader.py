@@ -236,11 +236,11 @@ def _is_mapping_field(schema: type, key: str) -> bool:
     *sections, name = key.split(".")
     for part in sections:
         tp = config_fields(cls).get(part, (None,))[0]
-        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+        if not _is_section(tp):
             return False
         cls = tp
     tp = config_fields(cls).get(name, (None,))[0]
-    return typing.get_origin(tp) is dict or tp is dict
+    return tp is not None and _accepts_mapping(tp)
 
 
 def _drop_key(tree: dict[str, Any], key: str) -> None:

@@ -53,7 +53,7 @@ from train.settings import (
 )
 
 __all__ = ["ConfigError", "load_config", "load_config_or_exit", "job_kind", "SCHEMAS",
-           "RLConfig", "EvalConfig", "SFTConfig", "ServeConfig", "DEMO_MODEL_DIRS"]
+           "RLConfig", "EvalConfig", "SFTConfig", "ServeConfig", "DEMO_MODEL_DIRS", "is_demo_model_dir"]
 
 ModelBase = Literal[tuple(ATTENTION_OF)]  # every model_base of the family table (models/kinds.py: torch-free)
 DataType = Literal["math", "code", "option"]
@@ -61,6 +61,11 @@ DataType = Literal["math", "code", "option"]
 # and the demo SFT's output (the RL demo's starting point).
 DEMO_MODEL_DIRS = ("runs/demo/tiny_sdar", "runs/demo/tiny_dream", "runs/demo/tiny_llada",
                    "runs/sft_demo/ckpt/optimized", "runs/sft_countdown/ckpt/optimized")
+
+
+def is_demo_model_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is one of DEMO_MODEL_DIRS (as a config writes it, a trailing slash allowed)."""
+    return Path(path).as_posix().rstrip("/") in DEMO_MODEL_DIRS
 
 
 # ----------------------------------------------------------------------------------------------- sections

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from core.entry import Terminated, launched
-from jobs.config import DEMO_MODEL_DIRS
+from jobs.config import DEMO_MODEL_DIRS, is_demo_model_dir
 from models.errors import not_a_model_folder
 from models.registry import ModelLoadError
 
@@ -40,7 +40,7 @@ def ensure_demo_model(model_cfg: Any) -> None:
     path = Path(model_cfg.pretrained_model)
     if not model_cfg.init_tiny_if_missing or (path / "config.json").is_file():
         return
-    if path.as_posix().rstrip("/") not in DEMO_MODEL_DIRS:
+    if not is_demo_model_dir(path):
         if path.exists():
             raise ModelLoadError(not_a_model_folder(path))
         raise ModelLoadError(f"model path {str(path)!r} does not exist (model.init_tiny_if_missing only builds the "
