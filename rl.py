@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from core.entry import check_single_node, relaunch_if_requested, run_job
+from core.entry import run_job
+from jobs.cluster import check_single_node, relaunch_if_requested
 from jobs.config import load_config_or_exit
 
 

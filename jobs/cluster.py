@@ -1,5 +1,8 @@
-"""Multi-node launch: every node runs the same command; its rank, the node count and the master address come from
-the environment, and the job runs under ``accelerate launch`` with the matching multi-machine settings.
+"""How a job is launched under ``accelerate launch``: on one node (``relaunch_if_requested``: a config with
+``experiment.deepspeed_file`` re-executes its script under the launcher), or on many (``multinode_main``).
+
+Multi-node: every node runs the same command; its rank, the node count and the master address come from the
+environment, and the job runs under ``accelerate launch`` with the matching multi-machine settings.
 
 Recognised environments (first complete one wins, checked in this order):
 * the reference's platform: ``MLP_ROLE_INDEX``, ``MLP_WORKER_NUM``, ``MLP_WORKER_0_HOST``, ``MLP_WORKER_0_PORT``;
@@ -19,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.entry import accelerate_config_size
+from core.entry import launched
 from core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +31,65 @@ DEFAULT_PORT = 29500
 
 class ClusterError(UserError, ValueError):
     """The environment does not describe a consistent multi-node launch."""
+
+
+def check_single_node(cfg, command: str) -> None:
+    """A multi-node config must be started on every node by its launcher (``command``, said in the error)."""
+    from core.loader import ConfigError
+
+    if cfg.experiment.num_node > 1 and not launched():
+        raise ConfigError(f"key 'experiment.num_node' is {cfg.experiment.num_node}: start multi-node runs with "
+                          f"`{command}` on every node", "experiment.num_node")
+
+
+def relaunch_if_requested(cfg, script: str, argv: list[str]) -> None:
+    """With ``experiment.deepspeed_file`` set and no launcher around us, exec ``accelerate launch`` of ``script``."""
+    if not cfg.experiment.deepspeed_file or launched():
+        return
+    check_model_folders(cfg)  # one line here, not the same error from every launched process
+    from core.loader import ConfigError
+
+    config = ROOT / "accelerate_configs" / f"{cfg.experiment.deepspeed_file}.yaml"
+    if not config.is_file():
+        raise ConfigError(f"key 'experiment.deepspeed_file': {config} does not exist (choose a file of "
+                          f"{ROOT / 'accelerate_configs'})", "experiment.deepspeed_file")
+    machines = accelerate_config_size(config)[1]
+    if machines != cfg.experiment.num_node:  # accelerate would wait for the other machines for ever
+        raise ConfigError(f"key 'experiment.deepspeed_file': {config.name} launches {machines} machines but "
+                          f"experiment.num_node is {cfg.experiment.num_node}; choose a 1-node file, or start a "
+                          "multi-node run with multinode_*.py on every node", "experiment.deepspeed_file")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(ROOT / script),
+           *argv]
+    print("launching: " + " ".join(cmd), flush=True)
+    os.execv(cmd[0], cmd)
+
+
+def check_model_folders(cfg) -> None:
+    """Refuse a model folder a fresh run would load that holds no ``config.json`` (the check ``load_model`` makes,
+    made before any process is launched). A resumed run loads its own checkpoint; a demo path is built on demand."""
+    from jobs.config import is_demo_model_dir
+    from models.errors import ModelLoadError, not_a_model_folder, not_an_adapter_folder
+
+    if not getattr(cfg.experiment, "start_from_scratch", True):
+        return
+    model = cfg.model
+    built = {model.pretrained_model} if model.init_tiny_if_missing else set()  # a demo path: built by the job
+    for key in ("pretrained_model", "value_base_model", "adapter"):
+        path = getattr(model, key, None)
+        if not path or (path in built and is_demo_model_dir(path)):
+            continue
+        if key == "adapter" and not (Path(path) / "adapter_config.json").is_file():
+            raise ModelLoadError(f"model.adapter: {not_an_adapter_folder(path)}")
+        if key != "adapter" and not (Path(path) / "config.json").is_file():
+            raise ModelLoadError(not_a_model_folder(path, f"model.{key}"))
+
+
+def accelerate_config_size(path) -> tuple[int, int]:
+    """(num_processes, num_machines) of an accelerate config file (1 where a key is absent)."""
+    text = Path(path).read_text()
+    procs = re.search(r"^num_processes:\s*(\d+)", text, re.M)
+    machines = re.search(r"^num_machines:\s*(\d+)", text, re.M)
+    return (int(procs.group(1)) if procs else 1), (int(machines.group(1)) if machines else 1)
 
 
 @dataclass(frozen=True)
@@ -126,7 +188,7 @@ def launch_command(script: str, argv: list[str], node: NodeEnv, deepspeed_file: 
 
 def multinode_main(kind: str, script: str, argv: list[str] | None = None) -> int:
     """``multinode_<kind>.py``: load the config (before torch), then exec this node's ``accelerate launch``."""
-    from core.entry import check_model_folders, run_job
+    from core.entry import run_job
     from jobs.config import load_config_or_exit
 
     argv = sys.argv[1:] if argv is None else argv

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from core.entry import check_single_node, relaunch_if_requested, run_job
+from core.entry import run_job
 from core.loader import ConfigError
+from jobs.cluster import check_single_node, relaunch_if_requested
 from jobs.config import load_config_or_exit
 
 FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado", "sdar_moe"), "dream": ("dream",),

@@ -150,8 +150,8 @@ def test_two_node_rl_keeps_both_nodes_identical(tmp_path, demo_tokenizer):
 ])
 def test_a_single_node_relaunch_refuses_a_file_it_cannot_run(file, error):
     """A 2-machine accelerate file on one node would wait for the second machine for ever."""
-    from core.entry import relaunch_if_requested
     from core.loader import ConfigError
+    from jobs.cluster import relaunch_if_requested
     from jobs.config import load_config
 
     cfg = load_config(["config=configs/demo/eval_demo.yaml", f"experiment.deepspeed_file={file}"], "eval")
@@ -163,7 +163,7 @@ def test_a_single_node_relaunch_refuses_a_file_it_cannot_run(file, error):
                                                 ("eval.py", "eval", "configs/demo/eval_demo.yaml")])
 def test_a_missing_model_folder_is_refused_before_any_process_is_launched(tmp_path, script, kind, config):
     """A mistyped path under a DeepSpeed file: one line from this process, not one from each launched rank."""
-    from core.entry import relaunch_if_requested
+    from jobs.cluster import relaunch_if_requested
     from jobs.config import load_config
     from models.errors import ModelLoadError
 

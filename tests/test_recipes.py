@@ -120,8 +120,7 @@ def test_recipe_runs_on_tiny_substitutes(path, ckpts, tmp_path, judge_endpoint, 
 def test_every_multinode_recipe_names_an_existing_launch_config():
     """multinode_*.yaml: num_node > 1 and a launcher config of that many machines (ZeRO-3 where a value model runs:
     it trains beside the policy, each with its own engine)."""
-    from core.entry import accelerate_config_size
-    from jobs.cluster import accelerate_config_for
+    from jobs.cluster import accelerate_config_for, accelerate_config_size
 
     multinode = [p for p in RECIPES if p.stem.startswith("multinode_")]
     assert len(multinode) >= 12
