@@ -17,10 +17,12 @@ from core.loader import ConfigError
 from core.schema import replace
 from models.common import AttentionLayout
 from sample.trajectory import Trajectory
+from train.algorithms import algorithm
 from train.batch import TrainBatch
 from train.loss import LossOutput
 from train.settings import SFTTrainingConfig
 from train.trainer import Trainer
+from train.traits import ModelTraits
 
 if TYPE_CHECKING:
     from models.registry import Adapter
@@ -54,10 +56,9 @@ class SFTTrainer(Trainer):
     """Outputs are the log-probs of the trained tokens, the loss is their NLL; everything else is the core's."""
 
     def __init__(self, adapter: Adapter, cfg: SFTTrainingConfig, *args: Any, **kwargs: Any):
-        if cfg.view_method(adapter.attention) == "ar" and not adapter.shift_logits:
-            raise ConfigError("key 'training.method': ar SFT needs a model adapted from an AR model (shifted logits: "
-                              f"Dream / DiffuCoder); {adapter.model_base} would see the token it predicts",
-                              "training.method")
+        if refusal := algorithm(cfg.view_method(adapter.attention)).refusal(ModelTraits.from_adapter(adapter)):
+            raise ConfigError(f"key 'training.method': {cfg.method} SFT of {adapter.model_base}: {refusal}",
+                              "training.method")  # at once, not at the first step's view
         if cfg.attention_annealing_steps and (adapter.attention != "full" or cfg.view_method("full") == "ar"):
             raise ConfigError("key 'training.attention_annealing_steps': attention annealing takes a full-attention "
                               f"model from causal to full attention; {adapter.model_base} with method "
