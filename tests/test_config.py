@@ -240,8 +240,9 @@ def test_unknown_key_in_override(tmp_path):
 
 
 def test_missing_required_key(tmp_path):
-    msg = _error([f"config={_write(tmp_path, 'model: {model_base: sdar}')}"], "eval")
-    assert "missing required key 'model.pretrained_model'" in msg
+    path = _write(tmp_path, 'model: {model_base: sdar}')
+    msg = _error([f"config={path}"], "eval")
+    assert f"{path}: missing required key 'model.pretrained_model'" in msg
 
 
 def test_required_marker_in_an_override_is_refused(tmp_path):
