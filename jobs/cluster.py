@@ -139,8 +139,8 @@ def node_env(env: dict[str, str] | None = None) -> NodeEnv:
         rank, n = _int(env, keys[0], name), _int(env, keys[1], name)
         return _checked(NodeEnv(rank, n, env[keys[2]], _int(env, keys[3], name), name))
     if env.get("SLURM_NODEID") is not None and env.get("SLURM_NNODES"):
-        if not env.get("SLURM_JOB_NODELIST"):
-            raise ClusterError("incomplete SLURM environment: SLURM_JOB_NODELIST missing")
+        if not env.get("SLURM_JOB_NODELIST") and not env.get("MASTER_ADDR"):
+            raise ClusterError("incomplete SLURM environment: SLURM_JOB_NODELIST (or MASTER_ADDR) missing")
         port = _int(env, "MASTER_PORT", "SLURM") if env.get("MASTER_PORT") else DEFAULT_PORT
         return _checked(NodeEnv(_int(env, "SLURM_NODEID", "SLURM"), _int(env, "SLURM_NNODES", "SLURM"),
                                 env.get("MASTER_ADDR") or first_slurm_host(env["SLURM_JOB_NODELIST"]), port, "SLURM"))

@@ -28,6 +28,7 @@ TORCHRUN = {"NODE_RANK": "1", "NNODES": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_
     ({"SLURM_NODEID": "2", "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "gpu[07-09]"}, (2, 3, "gpu07", 29500, "SLURM")),
     ({"SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]", "MASTER_PORT": "12345",
       "MASTER_ADDR": "gpu03-ib"}, (1, 2, "gpu03-ib", 12345, "SLURM")),  # what SLURM scripts export: not torchrun's
+    ({"SLURM_NODEID": "0", "SLURM_NNODES": "2", "MASTER_ADDR": "10.1.0.1"}, (0, 2, "10.1.0.1", 29500, "SLURM")),
 ])
 def test_node_env_from_each_scheme(env, want):
     n = node_env(env)
@@ -40,7 +41,7 @@ def test_node_env_from_each_scheme(env, want):
     ({**TORCHRUN, "NODE_RANK": "2"}, "node rank 2 is outside [0, 2)"),
     ({**TORCHRUN, "NNODES": "two"}, "NNODES='two' is not an integer"),
     ({**TORCHRUN, "MASTER_PORT": "70000"}, "master port 70000"),
-    ({"SLURM_NODEID": "0", "SLURM_NNODES": "2"}, "SLURM_JOB_NODELIST missing"),
+    ({"SLURM_NODEID": "0", "SLURM_NNODES": "2"}, "SLURM_JOB_NODELIST (or MASTER_ADDR) missing"),
 ])
 def test_bad_environments_are_one_line_errors(env, msg):
     with pytest.raises(ClusterError, match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

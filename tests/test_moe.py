@@ -345,7 +345,7 @@ def test_the_router_gate_runs_in_the_model_dtype_and_its_softmax_in_fp32(tiny):
 @pytest.mark.parametrize("base,extra", [
     ("sdar_moe", {"remasking_strategy": "low_confidence_dynamic", "dynamic_threshold": 0.5}),
     ("llada2", {"remasking_strategy": "low_confidence_dynamic", "dynamic_threshold": 0.5}),
-    ("llada2", {"editing_threshold": 0.5, "max_post_steps": 2}),  # LLaDA2.1's token editing
+    ("llada2", {"editing_threshold": 0.05, "max_post_steps": 2}),  # LLaDA2.1's token editing (edits every row)
     ("llada_moe", {"block_size": 4, "steps": 8}),
 ])
 def test_moe_batched_sampling_equals_one_prompt_at_a_time(demo_tokenizer, base, extra):
@@ -361,7 +361,9 @@ def test_moe_batched_sampling_equals_one_prompt_at_a_time(demo_tokenizer, base, 
     batched = generate(model, prompts, params, progress=False)
     singles = [generate(model, [p], params, progress=False)[0] for p in prompts]
     for b, s in zip(batched, singles, strict=True):
-        assert (b.response_ids, b.step_map, b.tail_ids, b.finish_reason) == (
-            s.response_ids, s.step_map, s.tail_ids, s.finish_reason)
+        assert (b.response_ids, b.step_map, b.tail_ids, b.tail_steps, b.rewrites, b.finish_reason) == (
+            s.response_ids, s.step_map, s.tail_ids, s.tail_steps, s.rewrites, s.finish_reason)
         assert b.logprobs == pytest.approx(s.logprobs, abs=1e-4)
     assert len({tuple(t.response_ids) for t in batched}) > 1, "prompts should give different responses"
+    if "editing_threshold" in extra:
+        assert any(any(t.rewrites) for t in batched), "the editing case should edit"

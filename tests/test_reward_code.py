@@ -108,7 +108,7 @@ def test_from_task_uses_dataset_fields():
     task = {"test_method": "stdio", "test_input": ["2\n"], "test_output": ["4\n"], "test_time_limit": 2}
     job = CodeJob.from_task(task, "print(int(input()) * 2)")
     assert job.time_limit == 2.0 and run_program(job, CFG).all_passed
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="1 test inputs but 0 outputs"):
         CodeJob("print(1)", "stdio", test_input=["1"], test_output=[]).tests()
 
 

@@ -72,7 +72,7 @@ def test_answer_is_fallback_is_configurable():
     assert extract_answer(text) == r"\frac{3}{4}"
     assert extract_answer(text, fallback=None) is None
     assert extract_answer(r"The answer is 3. Actually \boxed{4}") == "4"  # boxed wins
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown fallback 'bogus'"):
         extract_answer("x", fallback="bogus")
 
 
@@ -158,7 +158,7 @@ def test_score_math_types():
     assert score_math("no answer", "0.5") == 0.0
     assert score_math(r"\boxed{(B)}", "B", data_type="option") == 1.0
     assert score_math("The answer is (C)", "B", data_type="option") == 0.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="data_type must be 'math' or 'option', got 'code'"):
         score_math("x", "1", data_type="code")
 
 
@@ -168,7 +168,7 @@ def test_score_math_batch_matches_single_scores():
     lengths = [10, 10, 10, 10, 99, 10]
     scores = score_math_batch(responses, gts, response_lengths=lengths, max_tokens=100, workers=2)
     assert scores == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="1 responses but 2 ground truths"):
         score_math_batch(["a"], ["1", "2"])
 
 
@@ -222,11 +222,11 @@ def test_workers_that_died_while_idle_are_replaced_and_their_warmup_runs_first()
         pool.close()
 
 
-def test_degenerate_long_outputs_are_handled_quickly():
-    start = time.monotonic()
+def test_degenerate_long_outputs_are_handled():
+    """Unclosed braces by the ten thousand, a 100,000-digit number: answers, not a hang (a backtracking parser would
+    stall the suite here)."""
     assert extract_boxed("\\boxed{" * 50_000) is None
     assert extract_boxed("\\boxed{" * 50_000 + "\\boxed{1}") == "1"
     assert not is_equivalent("1" * 100_000, "1")
-    assert extract_answer("the answer is " + "\\text{a " * 20_000) is not None
+    assert extract_answer("the answer is " + "\\text{a " * 20_000) == ("\\text{a " * 20_000).rstrip()
     assert score_math_batch(["\\boxed{" + "9" * 5000 + "}"], ["9"]) == [0.0]
-    assert time.monotonic() - start < 5

@@ -42,8 +42,8 @@ def test_never_selects_a_position_that_is_not_masked():
 def test_dynamic_takes_everything_above_threshold_else_top_n():
     got = _select("low_confidence_dynamic", CONF, [[1, 1, 1, 1], [1, 1, 1, 1]], [1, 1], dynamic_threshold=0.9)
     assert got == [[0, 1, 0, 1], [0, 0, 1, 0]]
-    strict = _select("low_confidence_dynamic", [[0.9, 0.2]], [[1, 1]], [1], dynamic_threshold=0.9)
-    assert strict == [[1, 0]]  # 0.9 is not > 0.9: fallback top-1 (same position here)
+    strict = _select("low_confidence_dynamic", [[0.5, 0.2, 0.5]], [[1, 1, 1]], [1], dynamic_threshold=0.5)
+    assert strict == [[1, 0, 0]]  # 0.5 is not > 0.5: the fallback top-1 (ties to the left), not both 0.5s
     few = _select("low_confidence_dynamic", CONF, [[1, 1, 1, 1], [1, 1, 1, 1]], [3, 2], dynamic_threshold=0.9)
     assert few == [[0, 1, 1, 1], [1, 0, 1, 0]]  # 2 above but 3 scheduled: top-3
 

@@ -75,11 +75,15 @@ def test_demo_save_reload_offline(tmp_path, monkeypatch):
     assert again.apply_chat_template(msgs, tokenize=False) == fresh.apply_chat_template(msgs, tokenize=False)
 
 
-def test_demo_fast_cached_and_independent():
+def test_demo_cached_and_independent(monkeypatch):
+    import models.tokenizers as tokenizers
+
     build_demo_tokenizer()
-    t0 = time.perf_counter()
-    a, b = build_demo_tokenizer(), build_demo_tokenizer()
-    assert time.perf_counter() - t0 < 0.5
+    trained = []  # the BPE is trained once per process and size; later calls load the saved files
+    with monkeypatch.context() as patch:
+        patch.setattr(tokenizers, "_train_demo_bpe", lambda size: trained.append(size))
+        a, b = build_demo_tokenizer(), build_demo_tokenizer()
+    assert trained == []
     a.add_tokens(["<new_token>"])
     assert len(b) == 512  # each call returns a fresh object
     small = build_demo_tokenizer(vocab_size=300)
@@ -130,9 +134,8 @@ def test_qwen_matches_reference_bpe(qwen_sdar):
 
 
 def test_qwen_cache_reload_and_dream(qwen_cache, qwen_sdar):
-    t0 = time.perf_counter()
     same = build_qwen_tokenizer("sdar", cache_dir=qwen_cache)
-    assert same is qwen_sdar and time.perf_counter() - t0 < 0.1  # per-process cache
+    assert same is qwen_sdar  # per-process cache
     reloaded = AutoTokenizer.from_pretrained(f"{qwen_cache}/sdar", local_files_only=True)
     for s in SENTENCES:
         assert reloaded.encode(s) == qwen_sdar.encode(s)
