@@ -86,11 +86,15 @@ def test_asking_a_split_for_more_than_it_holds_is_a_one_line_error():
 
 
 @pytest.mark.parametrize("task", ["countdown", "sudoku"])
-def test_an_rl_step_on_a_puzzle_scores_with_its_verifier(tmp_path, demo_tokenizer, task):
+def test_an_rl_step_on_a_puzzle_scores_with_its_verifier(tmp_path, demo_tokenizer, task, monkeypatch):
+    """One training response is given its task's answer: the verifier passes it and the score lands on that sample
+    only; a random model solves nothing else (nor any held-out puzzle)."""
     from jobs.config import load_config
     from jobs.rl import run_rl
     from models.tiny import save_tiny_checkpoint
-    from tests.test_rl import demo_args
+    from tests.test_rl import answer_one_right, assert_only_that_sample_scores, demo_args
+
+    answered = answer_one_right(monkeypatch, lambda row: f"\\boxed{{{row['ground_truth_answer']}}}", rollout_size=4)
 
     model = save_tiny_checkpoint(tmp_path / "sdar", "sdar", demo_tokenizer, size="test")
     cfg = load_config(demo_args(tmp_path, model, **{
@@ -100,7 +104,7 @@ def test_an_rl_step_on_a_puzzle_scores_with_its_verifier(tmp_path, demo_tokenize
         "training.max_prompt_len": 512, "evaluation.max_token": 16, "rollout.max_token": 16}), "rl")
     history = run_rl(cfg, progress=False)
     rollouts = [json.loads(x) for x in (tmp_path / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rollouts) == 4 and all(r["score"] == 0.0 for r in rollouts)  # a random model solves nothing
+    assert_only_that_sample_scores(rollouts, answered)
     assert history[-1]["eval_acc"] == 0.0
 
 

@@ -123,16 +123,49 @@ def test_resume_refuses_a_changed_config_and_fresh_run_refuses_a_used_dir(tmp_pa
         run_rl(load_config(changed, "rl"), progress=False)
 
 
-def test_code_rl_step_through_the_sandbox(tmp_path, ckpts):
+def answer_one_right(monkeypatch, right_text, rollout_size: int) -> list:
+    """In every rollout of ``rollout_size`` samples, the second response (to the first task) becomes
+    ``right_text(task)``; returns the list those samples are appended to (their sample_ids are renamed to dataset
+    rows after sampling: read them at the end). Responses are never cut by the truncation rule (a random model runs
+    every response to max_tokens, which that rule scores 0 before any checker sees it)."""
+    import jobs.evaluate
+    import jobs.rollout
+
+    real_rollout, answered = jobs.evaluate.rollout_tasks, []
+
+    def one_right_answer(adapter, tasks, data_type, params, indices=None, progress=True):
+        rollout = real_rollout(adapter, tasks, data_type, params, indices, progress)
+        if len(rollout) == rollout_size:
+            lucky = rollout[1]
+            lucky.text = right_text(tasks[lucky.task_index])
+            answered.append(lucky)
+        return rollout
+
+    monkeypatch.setattr(jobs.evaluate, "rollout_tasks", one_right_answer)
+    monkeypatch.setattr(jobs.rollout, "is_truncated", lambda length, limit, margin: False)
+    return answered
+
+
+def assert_only_that_sample_scores(rollouts: list[dict], answered: list) -> None:
+    (lucky,) = answered
+    assert len(rollouts) == 4 and lucky.sample_id.endswith("-1")
+    assert sorted((r["sample_id"], r["score"]) for r in rollouts) == sorted(
+        (r["sample_id"], 1.0 if r["sample_id"] == lucky.sample_id else 0.0) for r in rollouts)
+
+
+def test_code_rl_step_through_the_sandbox(tmp_path, ckpts, monkeypatch):
+    """One response is given its task's reference program: the sandbox passes it and the score lands on that sample
+    only (a random model writes no program: the others score 0)."""
     from jobs.rl import run_rl
 
+    answered = answer_one_right(monkeypatch, lambda task: f"```python\n{task['solution']}```", rollout_size=4)
     cfg = load_config(demo_args(tmp_path, ckpts["sdar"], **{
         "experiment.total_step": 1, "dataset.train_dataset": "builtin:code", "dataset.data_type": "code",
         "rollout.num_task_per_step": 2, "rollout.num_response_per_task": 2, "execute.num_chunk": 2,
         "reward.filter_all_equal": "false", "training.max_prompt_len": 512}), "rl")
     history = run_rl(cfg, progress=False)
     rollouts = [json.loads(x) for x in (tmp_path / "run" / "step_1" / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rollouts) == 4 and all(r["score"] == 0.0 for r in rollouts)  # a random model writes no program
+    assert_only_that_sample_scores(rollouts, answered)
     assert history[-1]["optimizer_steps"] == 1
 
 
