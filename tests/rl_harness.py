@@ -4,7 +4,7 @@ Tiny random models never answer arithmetic correctly, so every group would be fi
 stand-in scores a response by the parity of its token-id sum: varied within a group, deterministic, and a real
 function of what was sampled. ``RL_HARNESS_KILL=stage:step`` SIGKILLs the process inside that stage of that step
 (stages: sample, train, save; ``after``: once the step directory is complete, before the run's outputs follow it),
-to test resuming.
+to test resuming. ``RL_HARNESS_HOLD=<file>`` holds the first sampling (see ``hold_in_sampling``).
 
     python tests/rl_harness.py config=configs/demo/rl_demo.yaml [key=value ...]
 """
@@ -57,6 +57,39 @@ def install(kill: str | None = None, patch=setattr) -> None:
     jobs.rl.RLJob._timed, jobs.rl.RLJob._save, jobs.rl.RLJob._after_step = killing_timed, killing_save, killing_after
 
 
+def hold_in_sampling(marker: str) -> None:
+    """The first sampling of the run (an evaluation's or a step's) writes ``marker`` and then waits for a signal,
+    so a test signals a process that is certainly inside it (a guessed sleep can land before or after)."""
+    import time
+
+    import jobs.evaluate
+
+    rollout_tasks = jobs.evaluate.rollout_tasks
+
+    def holding(*args, **kwargs):
+        if not Path(marker).exists():
+            Path(marker).write_text(str(os.getpid()))
+            time.sleep(600)  # the test's signal ends this (as an interrupt, or the job's SIGTERM handler)
+        return rollout_tasks(*args, **kwargs)
+
+    jobs.evaluate.rollout_tasks = holding
+
+
+def wait_for_hold(marker: Path, proc, timeout: float = 300) -> None:
+    """(The test's side.) Return once ``proc`` is held in its sampling; fail if it ends or never gets there."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the process ended (exit {proc.returncode}) before its sampling: "
+                                 f"{proc.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the process did not reach its sampling within {timeout} s")
+        time.sleep(0.05)
+
+
 def dump_weights_at_end(path: str) -> None:
     """After the run, every rank writes a digest of its whole weights to ``path.<rank>.json``."""
     import hashlib
@@ -87,6 +120,8 @@ def dump_weights_at_end(path: str) -> None:
 
 if __name__ == "__main__":
     install(os.environ.get("RL_HARNESS_KILL"))
+    if os.environ.get("RL_HARNESS_HOLD"):
+        hold_in_sampling(os.environ["RL_HARNESS_HOLD"])
     if os.environ.get("RL_HARNESS_DUMP"):
         dump_weights_at_end(os.environ["RL_HARNESS_DUMP"])
     import rl

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from core.files import RunDirError
 from jobs.config import load_config
 from models.tiny import save_tiny_checkpoint
 from tests import warm
+from tests.rl_harness import wait_for_hold
 from tests.test_rl import _harness, comparable, demo_args, weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,13 +304,12 @@ def test_sigint_during_the_step0_evaluation_then_resume(tmp_path, model):
     def default_sigint():  # a launcher may have left SIGINT ignored (nohup, `&`): this child must take it
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rl_harness.py"), *args], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
-    partial = tmp_path / "run" / "step_0.partial"
-    deadline = time.monotonic() + 120
-    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.2)  # inside the step-0 evaluation (512 samples of 64 tokens take seconds)
+    held = tmp_path / "inside_the_evaluation"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rl_harness.py"), *args], cwd=ROOT,
+                            env={**_env(), "RL_HARNESS_HOLD": str(held)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    wait_for_hold(held, proc)  # the step-0 evaluation's sampling holds until the signal
+    assert (tmp_path / "run" / "step_0.partial").is_dir()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from models.tiny import save_tiny_checkpoint
 from models.tokenizers import build_demo_tokenizer
 from tests import warm
+from tests.rl_harness import wait_for_hold
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "configs/demo/eval_demo.yaml"
@@ -171,17 +171,19 @@ def test_overwrite_replaces_a_previous_run(world, tmp_path):
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
 def test_interrupt_leaves_a_marked_partial_run(world, tmp_path, sig, code, word):
     args = [f"config={DEMO}", f"model.pretrained_model={world / 'sdar'}", f"experiment.output_dir={tmp_path}",
-            "experiment.project=cut", "rollout.max_token=2000", "rollout.num_response_per_task=8"]
+            "experiment.project=cut"]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    # eval.py with its sampling held until the signal comes (tests/rl_harness.py)
+    held = tmp_path / "inside_sampling"
+    run_eval_held = ("import sys; from tests.rl_harness import hold_in_sampling; hold_in_sampling(sys.argv[1]); "
+                     "import eval; raise SystemExit(eval.main(sys.argv[2:]))")
     # a launcher may leave SIGINT ignored (nohup, a background job), and the child would inherit that: set it here
-    proc = subprocess.Popen([sys.executable, "eval.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", run_eval_held, str(held), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for_hold(held, proc)
     partial = tmp_path / "cut.partial"
-    deadline = time.monotonic() + 120
-    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(3.0)  # inside loading or sampling
+    assert partial.is_dir()
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     lines = error_lines(err)
