@@ -260,15 +260,21 @@ def test_steps_schedule_and_dropped_samples(tiny):
 
 
 def test_bf16_gradient_checkpointing_and_coupled_view(tiny):
-    adapter = tiny("sdar", seed=8)
-    trajs = fake_batch(adapter, n=2, seed=8)
-    before = [p.detach().clone() for p in adapter.model.parameters()]
-    trainer = make_trainer(adapter, mixed_precision="bf16", gradient_checkpointing=True, learning_rate=1e-3,
-                           view=ViewConfig(method="coupled"), loss=LossConfig(beta=0.01))
-    assert adapter.model.model.gradient_checkpointing
-    (metrics,) = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+    """Gradient checkpointing recomputes the forward in the backward: the same loss and gradient as without it."""
+    steps = {}
+    for checkpointing in (True, False):
+        adapter = tiny("sdar", seed=8)
+        trajs = fake_batch(adapter, n=2, seed=8)
+        before = [p.detach().clone() for p in adapter.model.parameters()]
+        trainer = make_trainer(adapter, mixed_precision="bf16", gradient_checkpointing=checkpointing,
+                               learning_rate=1e-3, view=ViewConfig(method="coupled"), loss=LossConfig(beta=0.01))
+        assert adapter.model.model.gradient_checkpointing == checkpointing
+        (steps[checkpointing],) = trainer.train_step(trajs, {t.sample_id: 1.0 for t in trajs})
+        assert any(not torch.equal(a, b) for a, b in zip(before, adapter.model.parameters()))
+    metrics, plain = steps[True], steps[False]
     assert math.isfinite(metrics["loss"]) and metrics["ratio_mean"] == pytest.approx(1.0, abs=2e-2)
-    assert any(not torch.equal(a, b) for a, b in zip(before, adapter.model.parameters()))
+    assert metrics["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-7)
+    assert metrics["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-3) and plain["grad_norm"] > 0
 
 
 def test_bf16_on_a_cpu_without_native_bf16_products_computes_in_float32(tiny, tmp_path, monkeypatch):
