@@ -397,10 +397,23 @@ def test_every_algorithm_trains_every_family_or_refuses_it(tiny, rollouts, base,
             make_trainer(adapter, **trainer_args)
         monkeypatch.setattr(PolicyTrainer, "__init__", _with_reference(tiny(base, seed=4).model))
     trainer = make_trainer(adapter, **trainer_args)
+    pos, neg = [t for t in trajs if adv[t.sample_id] > 0], [t for t in trajs if adv[t.sample_id] < 0]
+    start = _mean_logprob(trainer, pos), _mean_logprob(trainer, neg)
     metrics = trainer.train_step(trajs, adv)
     assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
     changed = max(float((before[k] - v).abs().max()) for k, v in adapter.model.state_dict().items())
     assert changed > 1e-4
+    # the update's direction: the positive-advantage responses gain likelihood against the negative ones
+    rise_pos, rise_neg = _mean_logprob(trainer, pos) - start[0], _mean_logprob(trainer, neg) - start[1]
+    assert rise_pos > rise_neg, (rise_pos, rise_neg)
+
+
+def _mean_logprob(trainer, trajs) -> float:
+    """Mean log-prob of the responses' tokens, each in the context the sampler wrote it in (the TraceRL view: one
+    yardstick for every method, whatever its own view draws)."""
+    yardstick = replace(trainer.cfg, method="tracerl")
+    return float(trainer.logprobs(build_view(trajs, {t.sample_id: 1.0 for t in trajs}, yardstick,
+                                             trainer.traits)).mean())
 
 
 def test_fresh_masks_draw_new_rows_and_compute_every_old_logprob_before_any_update(tiny, rollouts, monkeypatch):
