@@ -93,9 +93,17 @@ def test_sampling_options_run_and_are_reproducible(full):
 
 
 def test_mmada_uses_the_same_full_attention_path(demo_tokenizer):
+    """MMaDA's steps re-derive from plain full forwards (cache none) like LLaDA's, and batched equals one at a time."""
     mmada = sharp_tiny("mmada", demo_tokenizer, seed=4)
-    out = generate(mmada, prompts_of((2, 5)), _greedy(cache="dual", max_active=1), progress=False)
+    out = generate(mmada, prompts_of((2, 5)), _greedy(cache="none"), progress=False)
     assert [len(t.response_ids) for t in out] == [10, 10] and out[0].block_size == BL
+    for traj in out:
+        assert replay_full(mmada, traj, BL, 9) == max(traj.step_map)
+    singles = [generate(mmada, [p], _greedy(cache="none"), progress=False)[0] for p in prompts_of((2, 5))]
+    assert [_key(t) for t in out] == [_key(t) for t in singles]
+    assert len({tuple(t.response_ids) for t in out}) > 1
+    dual = generate(mmada, prompts_of((2, 5)), _greedy(cache="dual", max_active=1), progress=False)
+    assert [len(t.response_ids) for t in dual] == [10, 10]  # the approximate cache: its own tokens, same layout
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])
