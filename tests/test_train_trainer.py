@@ -357,10 +357,14 @@ def test_samples_are_dealt_round_robin_and_cut_into_equal_step_counts(n, world, 
     order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
     per_process = math.ceil(n / world)
     size = per_step or per_process
+    dealt = []
     for rank in range(world):
         steps = shard_steps(trajs, rank, world, per_step, False, torch.Generator().manual_seed(5))
         share = [trajs[i] for i in order[rank::world]]
         assert steps == [share[k * size:(k + 1) * size] for k in range(math.ceil(per_process / size))]
+        assert len(steps) == math.ceil(per_process / size)  # the same step count on every process
+        dealt += [t.sample_id for step in steps for t in step]
+    assert sorted(dealt) == sorted(t.sample_id for t in trajs)  # every sample once: none lost, none doubled
 
 
 @pytest.mark.parametrize("world, per_step", [(1, None), (2, None), (2, 8), (3, 4)])
