@@ -113,6 +113,12 @@ def test_values_are_read_at_the_state_before_each_step(tiny, demo_tokenizer, bas
     earlier = [i for i, s in enumerate(t.step_map) if s < t.step_map[later]]
     assert earlier and torch.equal(before["s0"][earlier], after["s0"][earlier])  # earlier states never saw it
     assert torch.equal(before["s1"], after["s1"])
+    first = min(range(len(t.step_map)), key=lambda i: (t.step_map[i], i))  # a token decoded at the first step
+    changed = t.response_ids[:first] + [(t.response_ids[first] + 1) % 400] + t.response_ids[first + 1:]
+    trajs[0] = type(t)(**{**t.to_dict(), "response_ids": changed})
+    seen = trainer.token_values(trajs)
+    later_states = [i for i, s in enumerate(t.step_map) if s > t.step_map[first]]
+    assert later_states and not torch.equal(before["s0"][later_states], seen["s0"][later_states])  # later ones did
 
 
 @pytest.mark.parametrize("base", ["sdar_moe", "llada2", "llada_moe"])
