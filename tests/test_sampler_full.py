@@ -92,6 +92,30 @@ def test_sampling_options_run_and_are_reproducible(full):
     assert all(t.finish_reason in ("eos", "stop", "length") for t in a)
 
 
+def test_top_k_bounds_every_draw_of_the_full_sampler(full, monkeypatch):
+    """At a high temperature the draws leave the 3 likeliest tokens; with top_k=3 none does (the option reaches the
+    sampler's draws, not only the filter's unit test)."""
+    import sample.full_sampler as full_sampler
+
+    real, outside = full_sampler.draw_tokens, []
+
+    def counting(logits, params, generator, mask_id, *args, **kwargs):
+        draw = real(logits, params, generator, mask_id, *args, **kwargs)
+        allowed = logits.float().clone()
+        allowed[..., mask_id] = float("-inf")
+        third = allowed.topk(3, dim=-1).values[..., -1]
+        outside.append(int((allowed.gather(-1, draw.tokens[..., None]).squeeze(-1) < third).sum()))
+        return draw
+
+    monkeypatch.setattr(full_sampler, "draw_tokens", counting)
+    hot = dict(max_tokens=8, temperature=3.0, seed=3, block_size=4, steps=8, ignore_eos=True, stop_token_ids=[])
+    generate(full, prompts_of((2, 4)), SamplingParams(**hot), progress=False)
+    assert sum(outside) > 0
+    outside.clear()
+    generate(full, prompts_of((2, 4)), SamplingParams(**hot, top_k=3), progress=False)
+    assert outside and sum(outside) == 0
+
+
 def test_mmada_uses_the_same_full_attention_path(demo_tokenizer):
     """MMaDA's steps re-derive from plain full forwards (cache none) like LLaDA's, and batched equals one at a time."""
     mmada = sharp_tiny("mmada", demo_tokenizer, seed=4)
