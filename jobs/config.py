@@ -449,6 +449,11 @@ class RLConfig(Settings):
         t = self.training
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
+        value_lr = self.optimizer.params.value_learning_rate
+        if not self.model.value_base_model and value_lr != RLOptimizerConfig().params.value_learning_rate:
+            raise SettingError("optimizer.params.value_learning_rate", f"the value model's learning rate "
+                               f"({value_lr:g}), and this run has no value model: set model.value_base_model "
+                               "(TraceRL with a value model) or remove the key")
         refuse_ignored_settings(t, t.method)
         if self.reward.advantage is None:
             self.reward.advantage = default_advantage(self.training.method)

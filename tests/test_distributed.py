@@ -130,3 +130,16 @@ def test_assert_world_size():
     assert_world_size(SimpleNamespace(num_processes=2, distributed_type="MULTI_CPU"), 2)
     with pytest.raises(RuntimeError, match="expected 2 processes but accelerate sees 1"):
         assert_world_size(SimpleNamespace(num_processes=1, distributed_type="NO"), 2)
+
+
+def test_the_config_writer_takes_no_options_and_refuses_them_before_writing(capsys, monkeypatch, tmp_path):
+    """``--nodes 4`` (or any option) must not rewrite the committed configs as if nothing was asked."""
+    import tools.accelerate_config as writer
+
+    monkeypatch.setattr(writer, "CONFIG_DIR", tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        writer.main(["--nodes", "4"])
+    assert refused.value.code == 2 and "unrecognized arguments: --nodes 4" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    writer.main([])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(writer.configs())

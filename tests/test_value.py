@@ -259,3 +259,18 @@ def test_every_value_model_parameter_gets_a_gradient(tiny, base):
     value.value_head.weight.data.fill_(0.1)  # a zero head would give the backbone zero gradients
     value(ids, position_ids=torch.arange(8).expand(2, 8)).sum().backward()
     assert [n for n, p in value.named_parameters() if p.grad is None] == []
+
+
+def test_value_settings_without_a_value_model_and_a_mistyped_value_path_are_one_line(tmp_path, capsys):
+    import rl
+    from jobs.config import ConfigError, load_config
+
+    demo = "config=configs/demo/rl_demo.yaml"
+    with pytest.raises(ConfigError, match=r"value_learning_rate': the value model's learning rate \(0.0001\), and "
+                                          "this run has no value model: set model.value_base_model"):
+        load_config([demo, "optimizer.params.value_learning_rate=1e-4"], "rl")
+    missing = tmp_path / "sft_dmeo"
+    assert rl.main([demo, f"model.value_base_model={missing}", f"experiment.output_dir={tmp_path}"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == [f"error: model.value_base_model '{missing}' is not a folder with a config.json (weights cannot "
+                   "be downloaded at run time; download the checkpoint first)"]

@@ -114,7 +114,13 @@ def configs() -> dict[str, str]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tools.accelerate_config",
+                                 description=f"Write the accelerate launch configs of {CONFIG_DIR} (committed; "
+                                             "rerun after editing tools/accelerate_config.py). Takes no options.")
+    ap.parse_args(argv)  # --help prints the above; anything else is refused before a file is written
     for name, text in configs().items():
         (CONFIG_DIR / name).write_text(text)
     print(f"wrote {len(configs())} configs to {CONFIG_DIR}")
