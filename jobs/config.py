@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -585,7 +586,31 @@ def load_config(argv: Sequence[str], kind: str, stream: Any = None) -> Any:
     """
     if kind not in SCHEMAS:
         raise ConfigError(f"unknown job kind {kind!r} (expected one of {sorted(SCHEMAS)})", key="kind")
-    return load(argv, SCHEMAS[kind], UNSUPPORTED[kind], FOLLOWS.get(kind), stream, NO_EFFECT[kind])
+    try:
+        return load(argv, SCHEMAS[kind], UNSUPPORTED[kind], FOLLOWS.get(kind), stream, NO_EFFECT[kind])
+    except ConfigError as err:
+        other = _kind_it_loads_as(argv, kind) if str(err).count("unknown key") else None
+        if other is None:
+            raise
+        raise ConfigError(f"{err}; this is {ENTRIES[other]}", err.key, err.source) from None
+
+
+ENTRIES = {"rl": "an RL config: python rl.py config=...", "eval": "an eval config: python eval.py config=...",
+           "sft": "an SFT config: train/sft_<family>.py config=...",
+           "serve": "a serve config: python serve.py config=..."}
+
+
+def _kind_it_loads_as(argv: Sequence[str], kind: str) -> str | None:
+    """The other job kind whose schema loads ``argv`` as written (a config handed to the wrong script), if any."""
+    for other in SCHEMAS:
+        if other == kind:
+            continue
+        try:
+            load(argv, SCHEMAS[other], UNSUPPORTED[other], FOLLOWS.get(other), io.StringIO(), NO_EFFECT[other])
+        except ConfigError:
+            continue
+        return other
+    return None
 
 
 def load_config_or_exit(kind: str, argv: Sequence[str] | None = None) -> Any:
@@ -615,5 +640,5 @@ def job_kind(path: str | os.PathLike[str]) -> str:
         return "sft"
     if stem.startswith("serve_") or stem.endswith("_serve"):
         return "serve"
-    raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, *_eval, sft_*, serve_*)",
-                      source=str(path))
+    raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, *_eval, sft_*, serve_*); name it "
+                      "(python -m tools.check_config --kind rl|eval|sft|serve)", source=str(path))

@@ -459,3 +459,15 @@ def test_a_setting_the_methods_own_loss_does_not_read_is_refused(tmp_path, metho
     load_config([f"config={path}", f"training.method={method}"], "rl", stream=io.StringIO())  # its defaults load
     load_config([f"config={path}", "training.method=wd1", "training.loss_norm=token_mean"], "rl",
                 stream=io.StringIO())  # wd1 weighs its tokens: loss_norm applies
+
+
+@pytest.mark.parametrize("path,kind,entry", [
+    ("configs/demo/rl_demo.yaml", "sft", "this is an RL config: python rl.py"),
+    ("configs/demo/sft_demo.yaml", "rl", "this is an SFT config: train/sft_<family>.py"),
+    ("configs/demo/eval_demo.yaml", "rl", "this is an eval config: python eval.py"),
+])
+def test_a_config_handed_to_the_wrong_script_says_which_script_runs_it(path, kind, entry):
+    msg = _error([f"config={path}"], kind)
+    assert "unknown key" in msg and msg.endswith(entry + " config=...")
+    typo = _error(["config=configs/demo/rl_demo.yaml", "rollout.temprature=0.5"], "rl")
+    assert "closest valid key: 'rollout.temperature'" in typo and "this is" not in typo  # a typo: no other kind fits
