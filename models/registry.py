@@ -403,6 +403,9 @@ def _standard_tokenizer(path: Path, remote: str):
                          "the folder has no tokenizer.json (or vocab.json + merges.txt of a known equivalent)")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one
+
+
 def load_tokenizer(path: str | Path):
     """A local tokenizer folder's tokenizer; remote code (auto_map) is never executed nor prompted for."""
     from transformers import AutoTokenizer
@@ -410,6 +413,9 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer path {str(path)!r} does not exist")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{str(path)!r} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): point at the "
+                             "checkpoint's folder")
     remote = _remote_tokenizer_class(path)
     try:
         if remote:

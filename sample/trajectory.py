@@ -87,7 +87,9 @@ class Trajectory:
         known = {f.name for f in fields(cls)}
         unknown = set(row) - known
         if unknown:
-            raise ValueError(f"unknown trajectory field(s) {sorted(unknown)}")
+            names = sorted(unknown)
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise ValueError(f"unknown trajectory field(s) {names[:3]}{more}")
         return cls(**row)
 
 

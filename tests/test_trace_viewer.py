@@ -232,6 +232,21 @@ def test_cli(tok, tmp_path, capsys):
         main(["--trajectories", str(broken), "--tokenizer", str(tok_dir), "--out", "x.html"])
     assert "broken.jsonl:1: bad trajectory" in capsys.readouterr().err
 
+    # an eval's results.jsonl given by mistake: the trajectories file beside it is named
+    (tmp_path / "results.jsonl").write_text('{"acc": 0.5, "tasks": 64, "setting": {}, "pass@1": 0.5}\n')
+    write_jsonl([_traj(tok, sample_id="r")], tmp_path / "trajectories-builtin_arithmetic.jsonl")
+    with pytest.raises(SystemExit):
+        main(["--trajectories", str(tmp_path / "results.jsonl"), "--tokenizer", str(tok_dir), "--out", "x.html"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "['acc', 'pass@1', 'setting'] and 1 more" in err
+    assert err.endswith(f"(not a trajectories file; beside it: {tmp_path / 'trajectories-builtin_arithmetic.jsonl'})")
+    # a folder without tokenizer files (a run directory): one whole sentence
+    with pytest.raises(SystemExit):
+        main(["--trajectories", str(rollouts), "--tokenizer", str(tmp_path), "--out", "x.html"])
+    assert capsys.readouterr().err.strip().endswith("vocab.txt): point at the checkpoint's folder")
+    assert main([*base, "--out", str(tmp_path / "one.html")]) == 0
+    assert "(1 trajectory," in capsys.readouterr().out
+
 
 def test_cli_as_script(tok, tmp_path):
     """`python -m tools.trace_viewer ...` from the repository root writes the page."""

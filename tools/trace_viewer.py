@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except UnicodeDecodeError:
         parser.error(f"--trajectories {path}: not UTF-8 text (expected JSON lines)")
     except ValueError as e:
-        parser.error(" ".join(str(e).split()))
+        beside = sorted(path.parent.glob("trajectories-*.jsonl")) if "unknown trajectory field" in str(e) else []
+        hint = f" (not a trajectories file; beside it: {beside[0]})" if beside and beside[0] != path else ""
+        parser.error(" ".join(str(e).split()) + hint)
     for i, t in enumerate(trajs):
         for field in ("prompt_ids", "response_ids", "step_map"):
             bad = next((x for x in getattr(t, field) if not isinstance(x, int) or isinstance(x, bool)), None)
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         parser.error(f"--out {out}: cannot write it ({e.strerror or e})")
     n_tok = sum(len(t.response_ids) for t in trajs)
-    print(f"wrote {out} ({len(trajs)} trajectories, {n_tok} response tokens, {len(page) / 1e6:.2f} MB)")
+    count = f"{len(trajs)} trajectories" if len(trajs) != 1 else "1 trajectory"
+    print(f"wrote {out} ({count}, {n_tok} response tokens, {len(page) / 1e6:.2f} MB)")
     return 0
 
 
