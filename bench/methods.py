@@ -84,7 +84,8 @@ def selected_methods(spec: str | None) -> list[str]:
     for word in (w.strip() for w in spec.split(",") if w.strip()):
         name = algorithms.canonical_method(word)
         if name is None:
-            raise BenchError(f"--methods: unknown method {word!r}; the registry has {', '.join(algorithms.REGISTRY)}")
+            raise BenchError(f"--methods: unknown method {word!r}; the RL methods are "
+                             f"{', '.join(algorithms.RL_METHODS)}")
         if name not in out:
             out.append(name)
     if not out:
