@@ -48,7 +48,8 @@ def _missing_dataset_hint(name: str, data_dir: Path) -> str:
     local = [p.name.removesuffix(".json") for p in data_dir.glob("*.json")] if data_dir.is_dir() else []
     close = difflib.get_close_matches(name, [*BUILTIN, *local, *DATASETS], n=1, cutoff=0.6)
     if not close:
-        return f"built-in: {', '.join(BUILTIN)}; downloadable: {', '.join(DATASETS)}"
+        return (f"built-in: {', '.join(BUILTIN)}; downloadable (python -m tools.download_data --dataset NAME): "
+                f"{', '.join(DATASETS)}")
     get = f" (python -m tools.download_data --dataset {close[0]})" if close[0] in DATASETS and close[0] not in local \
         else ""
     return f"closest: {close[0]!r}{get}"

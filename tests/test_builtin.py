@@ -75,3 +75,13 @@ def test_configs_take_the_builtin_size():
     assert len(load_tasks("builtin:word_problems", "math", seed=1, n_builtin=9)) == 9
     with pytest.raises(ValueError, match="is a math task but data_type is 'code'"):
         load_tasks("builtin:word_problems", "code")
+
+
+def test_a_dataset_name_like_nothing_lists_every_choice_and_how_to_download(tmp_path):
+    from jobs.rollout import load_tasks
+
+    with pytest.raises(FileNotFoundError) as missing:
+        load_tasks("zzzqqq", "math", data_dir=tmp_path)
+    message = str(missing.value)
+    assert "builtin:word_problems_test" in message and "MATH500" in message
+    assert "downloadable (python -m tools.download_data --dataset NAME): " in message
