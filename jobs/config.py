@@ -589,7 +589,7 @@ def load_config(argv: Sequence[str], kind: str, stream: Any = None) -> Any:
     try:
         return load(argv, SCHEMAS[kind], UNSUPPORTED[kind], FOLLOWS.get(kind), stream, NO_EFFECT[kind])
     except ConfigError as err:
-        other = _kind_it_loads_as(argv, kind) if str(err).count("unknown key") else None
+        other = _kind_it_loads_as(argv, kind) if "unknown key" in str(err) else None
         if other is None:
             raise
         raise ConfigError(f"{err}; this is {ENTRIES[other]}", err.key, err.source) from None

@@ -15,6 +15,7 @@ from train.samples import Sample
 class AR(Algorithm):
     name = "ar"
     needs = Needs(old_logprobs="none", reference_model="none")
+    causal = True
 
     def refusal(self, traits) -> str:
         if traits.shift_logits:

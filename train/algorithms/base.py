@@ -155,6 +155,7 @@ class Algorithm:
     loss_norm = "padded_length"  # training.loss_norm when the config leaves it unset
     prompt_mask_p = 0.0  # training.prompt_mask_p when unset: probability of masking each prompt token of a row
     # (train/views.py draws the prompt masks for every algorithm)
+    causal = False  # its rows attend causally (AR training): no full attention for SFT's annealing to reach
 
     def loss(self, logp_new: Tensor, mb: TrainBatch, cfg: LossConfig, logp_ref: Tensor | None = None) -> LossOutput:
         """The RL loss of a micro-batch from the new log-probs of its trained tokens (default: the clipped
