@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from core.entry import run_job
-from jobs.cluster import check_model_folders, check_single_node, relaunch_if_requested
+from jobs.cluster import check_single_node, relaunch_if_requested
 from jobs.config import load_config_or_exit
 
 
@@ -15,7 +15,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def job() -> None:
         check_single_node(cfg, "python multinode_eval.py config=...")
-        check_model_folders(cfg)  # a mistyped path: one line naming its key, before any loading
         relaunch_if_requested(cfg, "eval.py", argv)
         from jobs.evaluate import run_eval, summary_table
 

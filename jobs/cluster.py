@@ -43,10 +43,12 @@ def check_single_node(cfg, command: str) -> None:
 
 
 def relaunch_if_requested(cfg, script: str, argv: list[str]) -> None:
-    """With ``experiment.deepspeed_file`` set and no launcher around us, exec ``accelerate launch`` of ``script``."""
+    """Every entry's last step before its job: refuse a mistyped model folder (one line naming its key, before any
+    loading, and here rather than from every launched process); then, with ``experiment.deepspeed_file`` set and no
+    launcher around us, exec ``accelerate launch`` of ``script``."""
+    check_model_folders(cfg)
     if not cfg.experiment.deepspeed_file or launched():
         return
-    check_model_folders(cfg)  # one line here, not the same error from every launched process
     from core.loader import ConfigError
 
     config = ROOT / "accelerate_configs" / f"{cfg.experiment.deepspeed_file}.yaml"

@@ -6,7 +6,7 @@ import sys
 
 from core.entry import run_job
 from core.loader import ConfigError
-from jobs.cluster import check_model_folders, check_single_node, relaunch_if_requested
+from jobs.cluster import check_single_node, relaunch_if_requested
 from jobs.config import load_config_or_exit
 
 FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado", "sdar_moe"), "dream": ("dream",),
@@ -31,7 +31,6 @@ def main(family: str, argv: list[str] | None = None) -> int:
         launcher = "accelerate_configs/<nodes>_node_8_gpus_deepspeed_zero3.yaml"
         check_single_node(cfg, f"accelerate launch --config_file {launcher} --machine_rank <node index> "
                                f"--main_process_ip <node 0> train/sft_{family}.py config=...")
-        check_model_folders(cfg)  # a mistyped path: one line naming its key, before any loading
         relaunch_if_requested(cfg, f"train/sft_{family}.py", argv)
         from jobs.sft import run_sft
 
