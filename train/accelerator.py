@@ -16,12 +16,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
+from core.entry import launched
 from models.layers import cpu_bf16_emulated
-
-
-def _launched() -> bool:
-    """True under a multi-process launcher (accelerate launch / torchrun set LOCAL_RANK and WORLD_SIZE)."""
-    return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def _deepspeed_requested() -> bool:
@@ -50,7 +46,7 @@ def build_accelerator(
             cpu_bf16_emulated("training.mixed_precision=bf16"):
         mixed_precision = "no"
     kwargs: dict[str, Any] = {}
-    if cpu_only and _launched():
+    if cpu_only and launched():
         # Without an explicit gloo backend a CPU DeepSpeed run sets up no process group (every rank alone),
         # and DDP with cpu=True could pick MPI.
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
