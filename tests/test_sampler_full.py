@@ -92,28 +92,55 @@ def test_sampling_options_run_and_are_reproducible(full):
     assert all(t.finish_reason in ("eos", "stop", "length") for t in a)
 
 
-def test_top_k_bounds_every_draw_of_the_full_sampler(full, monkeypatch):
-    """At a high temperature the draws leave the 3 likeliest tokens; with top_k=3 none does (the option reaches the
-    sampler's draws, not only the filter's unit test)."""
+@pytest.mark.parametrize("option", [dict(top_k=3), dict(top_p=0.3)])
+def test_top_k_and_top_p_bound_every_draw_of_the_full_sampler(full, monkeypatch, option):
+    """At a high temperature the draws leave the 3 likeliest tokens (the nucleus of mass 0.3 of the tempered
+    distribution); with top_k=3 (top_p=0.3) none does: the option reaches the sampler's draws, not only the filter's
+    unit test."""
     import sample.full_sampler as full_sampler
+    from sample.strategies import filter_logits
 
     real, outside = full_sampler.draw_tokens, []
+    hot = dict(max_tokens=8, temperature=3.0, seed=3, block_size=4, steps=8, ignore_eos=True, stop_token_ids=[])
+    support = {"top_k": 0, "top_p": 1.0, **option}
 
     def counting(logits, params, generator, mask_id, *args, **kwargs):
         draw = real(logits, params, generator, mask_id, *args, **kwargs)
         allowed = logits.float().clone()
         allowed[..., mask_id] = float("-inf")
-        third = allowed.topk(3, dim=-1).values[..., -1]
-        outside.append(int((allowed.gather(-1, draw.tokens[..., None]).squeeze(-1) < third).sum()))
+        kept = filter_logits(allowed, hot["temperature"], support["top_k"], support["top_p"]).isfinite()
+        outside.append(int((~kept.gather(-1, draw.tokens[..., None])).sum()))
         return draw
 
     monkeypatch.setattr(full_sampler, "draw_tokens", counting)
-    hot = dict(max_tokens=8, temperature=3.0, seed=3, block_size=4, steps=8, ignore_eos=True, stop_token_ids=[])
     generate(full, prompts_of((2, 4)), SamplingParams(**hot), progress=False)
     assert sum(outside) > 0
     outside.clear()
-    generate(full, prompts_of((2, 4)), SamplingParams(**hot, top_k=3), progress=False)
+    generate(full, prompts_of((2, 4)), SamplingParams(**hot, **option), progress=False)
     assert outside and sum(outside) == 0
+
+
+def test_alg_temp_reaches_the_full_samplers_choice_of_positions(full, monkeypatch):
+    """Without alg_temp every step commits the best-scored masked positions; with alg_temp=1 some step commits
+    others (positions drawn from softmax(score / alg_temp))."""
+    import sample.full_sampler as full_sampler
+    from sample.strategies import top_n
+
+    real, off_top = full_sampler.select_transfer, []
+
+    def counting(draw, candidate, n_transfer, params, generator):
+        chosen = real(draw, candidate, n_transfer, params, generator)
+        off_top.append(int((chosen != top_n(draw.score, candidate, n_transfer)).any()))
+        return chosen
+
+    monkeypatch.setattr(full_sampler, "select_transfer", counting)
+    base = dict(max_tokens=8, temperature=1.0, seed=3, block_size=8, steps=4, ignore_eos=True, stop_token_ids=[],
+                remasking_strategy="low_confidence_static")
+    generate(full, prompts_of((2, 4)), SamplingParams(**base), progress=False)
+    assert off_top and sum(off_top) == 0
+    off_top.clear()
+    generate(full, prompts_of((2, 4)), SamplingParams(**base, alg_temp=1.0), progress=False)
+    assert sum(off_top) > 0
 
 
 def test_mmada_uses_the_same_full_attention_path(demo_tokenizer):
