@@ -44,8 +44,8 @@ def check_single_node(cfg, command: str) -> None:
 
 def relaunch_if_requested(cfg, script: str, argv: list[str]) -> None:
     """Every entry's last step before its job: refuse a mistyped model folder (one line naming its key, before any
-    loading, and here rather than from every launched process); then, with ``experiment.deepspeed_file`` set and no
-    launcher around us, exec ``accelerate launch`` of ``script``."""
+    loading or launching; a launched process checks again, at the cost of a few file lookups); then, with
+    ``experiment.deepspeed_file`` set and no launcher around us, exec ``accelerate launch`` of ``script``."""
     check_model_folders(cfg)
     if not cfg.experiment.deepspeed_file or launched():
         return
@@ -80,10 +80,11 @@ def check_model_folders(cfg) -> None:
         path = getattr(model, key, None)
         if not path or (path in built and is_demo_model_dir(path)):
             continue
-        if key == "adapter" and not (Path(path) / "adapter_config.json").is_file():
-            raise ModelLoadError(f"model.adapter: {not_an_adapter_folder(path)}")
-        if key != "adapter" and not (Path(path) / "config.json").is_file():
-            raise ModelLoadError(not_a_model_folder(path, f"model.{key}"))
+        folder = cfg.system.resolve(path)  # relative paths are read from system.base_dir, where the job runs
+        if key == "adapter" and not (folder / "adapter_config.json").is_file():
+            raise ModelLoadError(f"model.adapter: {not_an_adapter_folder(folder)}")
+        if key != "adapter" and not (folder / "config.json").is_file():
+            raise ModelLoadError(not_a_model_folder(folder, f"model.{key}"))
 
 
 def accelerate_config_size(path) -> tuple[int, int]:

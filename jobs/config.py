@@ -355,6 +355,10 @@ class SystemConfig(Settings):
     HF_HOME: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables
 
+    def resolve(self, path: str) -> Path:
+        """``path`` as the job will read it once ``apply`` has moved into ``base_dir`` (before that, too)."""
+        return Path(self.base_dir) / path if self.base_dir else Path(path)
+
     def apply(self) -> None:
         """Set the environment and working directory described here."""
         extra = {"HTTP_PROXY": self.HTTP_PROXY, "HTTPS_PROXY": self.HTTP_PROXY, "HF_HOME": self.HF_HOME}

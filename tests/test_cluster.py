@@ -187,3 +187,24 @@ def test_a_missing_model_folder_is_refused_before_any_process_is_launched(tmp_pa
         cfg.model.adapter = str(tmp_path)
         with pytest.raises(ModelLoadError, match=f"model.adapter: {tmp_path} is not a LoRA adapter folder"):
             relaunch_if_requested(cfg, script, [])
+
+
+def test_model_folders_are_checked_where_the_job_reads_them(tmp_path, monkeypatch):
+    """A relative model path is read from system.base_dir (the job moves there first): the check looks there too, so
+    the shipped multinode configs (base_dir /shared/dLLM-RL, model JetLM/SDAR-4B-Chat) pass from any directory."""
+    from jobs.cluster import check_model_folders
+    from jobs.config import load_config
+    from models.errors import ModelLoadError
+
+    base = tmp_path / "shared"
+    (base / "ckpt" / "policy").mkdir(parents=True)
+    (base / "ckpt" / "policy" / "config.json").write_text("{}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cfg = load_config(["config=configs/demo/rl_demo.yaml", "model.pretrained_model=ckpt/policy",
+                       "model.init_tiny_if_missing=false", f"system.base_dir={base}"], "rl", stream=io.StringIO())
+    monkeypatch.chdir(elsewhere)
+    check_model_folders(cfg)  # ckpt/policy under base_dir: found, though not under the current directory
+    cfg.model.value_base_model = "ckpt/value"
+    with pytest.raises(ModelLoadError, match=re.escape(f"model.value_base_model '{base / 'ckpt' / 'value'}' is not a")):
+        check_model_folders(cfg)
