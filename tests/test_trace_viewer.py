@@ -240,6 +240,13 @@ def test_cli(tok, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "['acc', 'pass@1', 'setting'] and 1 more" in err
     assert err.endswith(f"(not a trajectories file; beside it: {tmp_path / 'trajectories-builtin_arithmetic.jsonl'})")
+    # a trajectories file with a field this code does not know (another version's): the error alone, no hint
+    newer = tmp_path / "trajectories-builtin_newer.jsonl"
+    newer.write_text(json.dumps({**json.loads(rollouts.read_text().splitlines()[0]), "draft_ids": [1]}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["--trajectories", str(newer), "--tokenizer", str(tok_dir), "--out", "x.html"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("unknown trajectory field(s) ['draft_ids']")
     # a folder without tokenizer files (a run directory): one whole sentence
     with pytest.raises(SystemExit):
         main(["--trajectories", str(rollouts), "--tokenizer", str(tmp_path), "--out", "x.html"])

@@ -35,8 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     except UnicodeDecodeError:
         parser.error(f"--trajectories {path}: not UTF-8 text (expected JSON lines)")
     except ValueError as e:
-        beside = sorted(path.parent.glob("trajectories-*.jsonl")) if "unknown trajectory field" in str(e) else []
-        hint = f" (not a trajectories file; beside it: {beside[0]})" if beside and beside[0] != path else ""
+        # another file of a run folder given by mistake (results.jsonl): name the trajectories beside it; a
+        # trajectories file with a field of another version of the code gets the error alone
+        mistaken = "unknown trajectory field" in str(e) and not path.name.startswith("trajectories-")
+        beside = sorted(path.parent.glob("trajectories-*.jsonl")) if mistaken else []
+        hint = f" (not a trajectories file; beside it: {beside[0]})" if beside else ""
         parser.error(" ".join(str(e).split()) + hint)
     for i, t in enumerate(trajs):
         for field in ("prompt_ids", "response_ids", "step_map"):
