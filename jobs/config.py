@@ -456,8 +456,8 @@ class RLConfig(Settings):
             raise SettingError("training.method", value_model_refusal(self.training.method))
         value_lr = self.optimizer.params.value_learning_rate
         if not self.model.value_base_model and value_lr != RLOptimizerConfig().params.value_learning_rate:
-            raise SettingError("optimizer.params.value_learning_rate", f"the value model's learning rate "
-                               f"({value_lr:g}), and this run has no value model: set model.value_base_model "
+            raise SettingError("optimizer.params.value_learning_rate", f"the value model's learning rate is "
+                               f"set ({value_lr:g}) but this run has no value model: set model.value_base_model "
                                "(TraceRL with a value model) or remove the key")
         refuse_ignored_settings(t, t.method)
         if self.reward.advantage is None:
@@ -593,27 +593,41 @@ def load_config(argv: Sequence[str], kind: str, stream: Any = None) -> Any:
     try:
         return load(argv, SCHEMAS[kind], UNSUPPORTED[kind], FOLLOWS.get(kind), stream, NO_EFFECT[kind])
     except ConfigError as err:
-        other = _kind_it_loads_as(argv, kind) if "unknown key" in str(err) else None
-        if other is None:
+        found = _kind_it_loads_as(argv, kind) if "unknown key" in str(err) else None
+        if found is None:
             raise
-        raise ConfigError(f"{err}; this is {ENTRIES[other]}", err.key, err.source) from None
+        # the whole file is another kind's: its key is not mistyped, so no "closest valid key" suggestion
+        src = f"{err.source}: " if err.source else ""
+        raise ConfigError(f"{src}key '{err.key}' is not {ARTICLES[kind]} config's; this is {_entry(*found, argv)}",
+                          err.key, err.source) from None
 
 
-ENTRIES = {"rl": "an RL config: python rl.py config=...", "eval": "an eval config: python eval.py config=...",
-           "sft": "an SFT config: train/sft_<family>.py config=...",
-           "serve": "a serve config: python serve.py config=..."}
+ARTICLES = {"rl": "an RL", "eval": "an eval", "sft": "an SFT", "serve": "a serve"}
 
 
-def _kind_it_loads_as(argv: Sequence[str], kind: str) -> str | None:
-    """The other job kind whose schema loads ``argv`` as written (a config handed to the wrong script), if any."""
+def _entry(kind: str, cfg: Any, argv: Sequence[str]) -> str:
+    """``ARTICLES[kind]`` config and the command that runs it, e.g. "an RL config: python rl.py config=x.yaml"."""
+    config = next((a.split("=", 1)[1] for a in argv if a.startswith("config=")), "...")
+    if kind == "sft":
+        from jobs.sft_entry import script_family  # the family's own script (jobs.sft_entry imports this module)
+
+        script = f"train/sft_{script_family(cfg.model.model_base)}.py"
+    else:
+        script = {"rl": "rl.py", "eval": "eval.py", "serve": "serve.py"}[kind]
+    return f"{ARTICLES[kind]} config: python {script} config={config}"
+
+
+def _kind_it_loads_as(argv: Sequence[str], kind: str) -> tuple[str, Any] | None:
+    """The other job kind whose schema loads ``argv`` as written (a config handed to the wrong script) and the
+    config it loads, if any."""
     for other in SCHEMAS:
         if other == kind:
             continue
         try:
-            load(argv, SCHEMAS[other], UNSUPPORTED[other], FOLLOWS.get(other), io.StringIO(), NO_EFFECT[other])
+            cfg = load(argv, SCHEMAS[other], UNSUPPORTED[other], FOLLOWS.get(other), io.StringIO(), NO_EFFECT[other])
         except ConfigError:
             continue
-        return other
+        return other, cfg
     return None
 
 
@@ -634,7 +648,8 @@ def config_text(cfg: Any) -> str:
 
 
 def job_kind(path: str | os.PathLike[str]) -> str:
-    """Job kind from a file name: rl_* / multinode_rl_* -> rl, *_eval / eval_* -> eval, sft_* -> sft."""
+    """Job kind from a file name: rl_* / multinode_rl_* -> rl, *_eval / eval_* / multinode_eval_* -> eval, sft_* ->
+    sft, serve_* / *_serve -> serve."""
     stem = Path(path).stem
     if stem.startswith(("rl_", "multinode_rl_")):
         return "rl"
@@ -644,5 +659,5 @@ def job_kind(path: str | os.PathLike[str]) -> str:
         return "sft"
     if stem.startswith("serve_") or stem.endswith("_serve"):
         return "serve"
-    raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, *_eval, sft_*, serve_*); name it "
-                      "(python -m tools.check_config --kind rl|eval|sft|serve)", source=str(path))
+    raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, *_eval, eval_*, sft_*, serve_*, "
+                      "*_serve); name it (python -m tools.check_config --kind rl|eval|sft|serve)", source=str(path))

@@ -462,12 +462,16 @@ def test_a_setting_the_methods_own_loss_does_not_read_is_refused(tmp_path, metho
 
 
 @pytest.mark.parametrize("path,kind,entry", [
-    ("configs/demo/rl_demo.yaml", "sft", "this is an RL config: python rl.py"),
-    ("configs/demo/sft_demo.yaml", "rl", "this is an SFT config: train/sft_<family>.py"),
-    ("configs/demo/eval_demo.yaml", "rl", "this is an eval config: python eval.py"),
+    ("configs/demo/rl_demo.yaml", "sft", "is not an SFT config's; this is an RL config: python rl.py"),
+    ("configs/demo/sft_demo.yaml", "rl", "is not an RL config's; this is an SFT config: python train/sft_sdar.py"),
+    ("configs/demo/eval_demo.yaml", "serve", "is not a serve config's; this is an eval config: python eval.py"),
+    ("configs/demo/serve_demo.yaml", "eval", "is not an eval config's; this is a serve config: python serve.py"),
 ])
 def test_a_config_handed_to_the_wrong_script_says_which_script_runs_it(path, kind, entry):
     msg = _error([f"config={path}"], kind)
-    assert "unknown key" in msg and msg.endswith(entry + " config=...")
+    assert msg.endswith(f"{entry} config={path}") and "closest valid key" not in msg  # the file, not a typo
+
+
+def test_a_typo_gets_the_closest_key_and_no_other_script():
     typo = _error(["config=configs/demo/rl_demo.yaml", "rollout.temprature=0.5"], "rl")
     assert "closest valid key: 'rollout.temperature'" in typo and "this is" not in typo  # a typo: no other kind fits

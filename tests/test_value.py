@@ -266,8 +266,8 @@ def test_value_settings_without_a_value_model_and_a_mistyped_value_path_are_one_
     from jobs.config import ConfigError, load_config
 
     demo = "config=configs/demo/rl_demo.yaml"
-    with pytest.raises(ConfigError, match=r"value_learning_rate': the value model's learning rate \(0.0001\), and "
-                                          "this run has no value model: set model.value_base_model"):
+    with pytest.raises(ConfigError, match=r"value_learning_rate': the value model's learning rate is set \(0.0001\) "
+                                          "but this run has no value model: set model.value_base_model"):
         load_config([demo, "optimizer.params.value_learning_rate=1e-4"], "rl")
     missing = tmp_path / "sft_dmeo"
     assert rl.main([demo, f"model.value_base_model={missing}", f"experiment.output_dir={tmp_path}"]) == 2
