@@ -117,8 +117,12 @@ def test_values_are_read_at_the_state_before_each_step(tiny, demo_tokenizer, bas
     changed = t.response_ids[:first] + [(t.response_ids[first] + 1) % 400] + t.response_ids[first + 1:]
     trajs[0] = type(t)(**{**t.to_dict(), "response_ids": changed})
     seen = trainer.token_values(trajs)
-    later_states = [i for i, s in enumerate(t.step_map) if s > t.step_map[first]]
-    assert later_states and not torch.equal(before["s0"][later_states], seen["s0"][later_states])  # later ones did
+    # later states of its own block saw it (a later block sees it as clean context whatever the in-block order)
+    def block(i):
+        return (len(t.prompt_ids) + i) // t.block_size if t.block_size else 0
+
+    later_states = [i for i, s in enumerate(t.step_map) if s > t.step_map[first] and block(i) == block(first)]
+    assert later_states and (before["s0"][later_states] != seen["s0"][later_states]).all()
 
 
 @pytest.mark.parametrize("base", ["sdar_moe", "llada2", "llada_moe"])
