@@ -56,10 +56,11 @@ class SFTTrainer(Trainer):
     """Outputs are the log-probs of the trained tokens, the loss is their NLL; everything else is the core's."""
 
     def __init__(self, adapter: Adapter, cfg: SFTTrainingConfig, *args: Any, **kwargs: Any):
-        if refusal := algorithm(cfg.view_method(adapter.attention)).refusal(ModelTraits.from_adapter(adapter)):
+        view = algorithm(cfg.view_method(adapter.attention))
+        if refusal := view.refusal(ModelTraits.from_adapter(adapter)):
             raise ConfigError(f"key 'training.method': {cfg.method} SFT of {adapter.model_base}: {refusal}",
                               "training.method")  # at once, not at the first step's view
-        if cfg.attention_annealing_steps and (adapter.attention != "full" or algorithm(cfg.view_method("full")).causal):
+        if cfg.attention_annealing_steps and (adapter.attention != "full" or view.causal):
             raise ConfigError("key 'training.attention_annealing_steps': attention annealing takes a full-attention "
                               f"model from causal to full attention; {adapter.model_base} with method "
                               f"{cfg.method} has no full attention to reach", "training.attention_annealing_steps")
