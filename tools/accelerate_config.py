@@ -121,9 +121,10 @@ def main(argv: list[str] | None = None) -> None:
                                  description=f"Write the accelerate launch configs of {CONFIG_DIR} (committed; "
                                              "rerun after editing tools/accelerate_config.py). Takes no options.")
     ap.parse_args(argv)  # --help prints the above; anything else is refused before a file is written
-    for name, text in configs().items():
+    written = configs()
+    for name, text in written.items():
         (CONFIG_DIR / name).write_text(text)
-    print(f"wrote {len(configs())} configs to {CONFIG_DIR}")
+    print(f"wrote {len(written)} configs to {CONFIG_DIR}")
 
 
 if __name__ == "__main__":
