@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = load_tokenizer(tok_dir)  # never runs (or asks about) a checkpoint's custom tokenizer code
     except ModelLoadError as e:
-        parser.error(f"--tokenizer {tok_dir}: {e}")
+        parser.error(f"--tokenizer: {e}")  # the error names the folder
     vocab = len(tokenizer)
     for i, t in enumerate(trajs):
         outside = [x for x in (*t.prompt_ids, *t.response_ids) if not 0 <= x < vocab]
