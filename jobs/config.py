@@ -439,6 +439,20 @@ class RLConfig(Settings):
     tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
 
+    VALUE_MODEL_SETTINGS = ("optimizer.params.value_learning_rate", "experiment.train_value_every",
+                            "model.optimized_value_name", "training.gam", "training.lam")
+
+    def _value_model_setting(self) -> str | None:
+        """The first value-model setting changed from its default (it would be ignored without a value model)."""
+        def changed(key: str) -> bool:
+            *path, name = key.split(".")
+            owner = self
+            for part in path:
+                owner = getattr(owner, part)
+            return getattr(owner, name) != next(f.default for f in dataclasses.fields(owner) if f.name == name)
+
+        return next((key for key in self.VALUE_MODEL_SETTINGS if changed(key)), None)
+
     def validate(self) -> None:
         super().validate()
         check_builtin_type(self.dataset.train_dataset, self.dataset.data_type, "dataset.data_type",
@@ -454,11 +468,9 @@ class RLConfig(Settings):
         t = self.training
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
-        value_lr = self.optimizer.params.value_learning_rate
-        if not self.model.value_base_model and value_lr != RLOptimizerConfig().params.value_learning_rate:
-            raise SettingError("optimizer.params.value_learning_rate", f"the value model's learning rate is "
-                               f"set ({value_lr:g}) but this run has no value model: set model.value_base_model "
-                               "(TraceRL with a value model) or remove the key")
+        if not self.model.value_base_model and (key := self._value_model_setting()):
+            raise SettingError(key, "a value-model setting, and this run has no value model: set "
+                               "model.value_base_model (TraceRL with a value model) or remove the key")
         refuse_ignored_settings(t, t.method)
         if self.reward.advantage is None:
             self.reward.advantage = default_advantage(self.training.method)

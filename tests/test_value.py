@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -270,9 +272,12 @@ def test_value_settings_without_a_value_model_and_a_mistyped_value_path_are_one_
     from jobs.config import ConfigError, load_config
 
     demo = "config=configs/demo/rl_demo.yaml"
-    with pytest.raises(ConfigError, match=r"value_learning_rate': the value model's learning rate is set \(0.0001\) "
-                                          "but this run has no value model: set model.value_base_model"):
-        load_config([demo, "optimizer.params.value_learning_rate=1e-4"], "rl")
+    for setting in ("optimizer.params.value_learning_rate=1e-4", "experiment.train_value_every=2",
+                    "model.optimized_value_name=value", "training.gam=0.9", "training.lam=0.95"):
+        with pytest.raises(ConfigError, match=re.escape(f"key '{setting.split('=')[0]}': a value-model setting, and "
+                                                        "this run has no value model: set model.value_base_model")):
+            load_config([demo, setting], "rl")
+    load_config([demo, "training.gam=1.0"], "rl", stream=io.StringIO())  # the default, written out: no effect lost
     missing = tmp_path / "sft_dmeo"
     assert rl.main([demo, f"model.value_base_model={missing}", f"experiment.output_dir={tmp_path}"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
