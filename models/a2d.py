@@ -24,13 +24,13 @@ chat template and every other tokenizer file are kept. ``config.json`` records t
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from core.errors import UserError
+from core.files import check_model_out, write_model_folder
 
 SOURCES = ("llama", "qwen2", "qwen3")
 TARGETS = ("dream", "sdar")
@@ -199,8 +199,7 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int | None
         raise ConversionError(f"--block-size must be at least 1, got {block_size}")
     if Path(out).resolve() == Path(source).resolve():
         raise ConversionError(f"--out {out} is the --source folder: write the converted model to another")
-    if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
-        raise ConversionError(f"--out {out} is a folder that holds files: choose another, or pass --overwrite")
+    check_model_out(out, overwrite)
     ar_model, tokenizer = load_ar(source, gguf_file)
     ar = ar_model.config
     mask_id = add_mask_token(tokenizer, mask_token)
@@ -224,10 +223,8 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int | None
                               f"{unexpected[:3]})")
     if config.tie_word_embeddings:
         model.tie_weights()
-    out = Path(out)
-    if overwrite and out.is_dir():
-        shutil.rmtree(out)  # no file of the earlier conversion stays (a stray weight shard would be read)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    return out
+    def write(folder: Path) -> None:  # a fresh folder: no file of an earlier conversion stays (a stray shard)
+        model.save_pretrained(str(folder), safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
+
+    return write_model_folder(out, write)

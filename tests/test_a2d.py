@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.files import RunDirError
 from models.a2d import ConversionError, convert
 from models.common import AttentionLayout
 from models.registry import load_model
@@ -142,10 +143,12 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
         convert(src, "sdar", tmp_path / "w", block_size=0)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
-    with pytest.raises(ConversionError, match=f"^--out {tmp_path / 'full'} is a folder that holds files: choose "
-                                              "another, or pass --overwrite"):
+    with pytest.raises(RunDirError, match=f"^--out {tmp_path / 'full'} is a folder that holds files: choose "
+                                          "another, or pass --overwrite"):
         convert(src, "dream", tmp_path / "full")
     assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+    with pytest.raises(RunDirError, match=f"^--out {tmp_path / 'full' / 'notes.txt'} is a file: name a folder$"):
+        convert(src, "dream", tmp_path / "full" / "notes.txt", overwrite=True)
     out = convert(src, "sdar", tmp_path / "sdar_once", block_size=4)
     with pytest.raises(ConversionError, match=r"already a diffusion checkpoint \(model_type 'sdar', model_base .*sdar"):
         convert(out, "sdar", tmp_path / "twice")  # transformers does not know the family: said in our words
@@ -164,6 +167,28 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
             f.unlink()
         with pytest.raises(ConversionError, match=f"^--source {broken}: cannot load its {what} "):
             convert(broken, "dream", tmp_path / f"out_{what}")
+
+
+def test_a_conversion_that_runs_out_of_space_keeps_the_one_it_would_replace(tmp_path, ar_tokenizer, monkeypatch):
+    """--overwrite writes the new conversion beside the old one and swaps them when it is whole: a full disk leaves
+    the old one as it was and no partial folder."""
+    import errno
+
+    import core.files
+
+    src = _ar_checkpoint(tmp_path / "ar", "llama", ar_tokenizer)
+    out = convert(src, "sdar", tmp_path / "sdar", block_size=4)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(core.files, "fsync_tree", full_disk)
+    with pytest.raises(RunDirError, match=f"^no space left on the device while writing {out} \\(.* MB free\\); "
+                                          "nothing was written and the folder there is unchanged$"):
+        convert(src, "sdar", out, block_size=2, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ar", "sdar"]
 
 
 def test_every_eos_id_of_the_ar_config_stops_the_converted_model(tmp_path, ar_tokenizer):

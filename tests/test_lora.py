@@ -376,3 +376,23 @@ def test_the_base_check_tolerates_another_dtype_and_catches_a_base_moved_by_perc
     tuned = {k: [v * 1.05 for v in vs] for k, vs in saved.items()}  # every weight moved by 5%
     with pytest.raises(ModelLoadError, match="80 of 80 sampled base weights differ; it was trained on 'runs/base'"):
         _check_same_base(tuned, tmp_path)
+
+
+def test_merge_lora_refuses_an_out_that_would_lose_a_model(tmp_path, capsys):
+    """--out may not be the base or the adapter, nor a folder that holds files without --overwrite: refused in one
+    line before any loading, with the folder untouched."""
+    from tools.merge_lora import main as merge_main
+
+    base, adapter, kept = tmp_path / "base", tmp_path / "adapter", tmp_path / "kept"
+    for folder, name in ((base, "config.json"), (adapter, "adapter_config.json"), (kept, "config.json")):
+        folder.mkdir()
+        (folder / name).write_text("{}")
+    for out, error in ((base, f"--out {base} is an input of this command: write to another folder"),
+                       (adapter, f"--out {adapter} is an input of this command: write to another folder"),
+                       (kept, f"--out {kept} is a folder that holds files: choose another, or pass --overwrite"),
+                       (kept / "config.json", f"--out {kept / 'config.json'} is a file: name a folder")):
+        assert merge_main(["--base", str(base), "--adapter", str(adapter), "--out", str(out),
+                           "--model-base", "sdar"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {error}"]
+    assert [(p.name, p.read_text()) for p in sorted(tmp_path.rglob("*.json"))] == [
+        ("adapter_config.json", "{}"), ("config.json", "{}"), ("config.json", "{}")]
