@@ -261,7 +261,8 @@ class StagedRun:
 
     def abandon(self, reason: str) -> Path:
         """Mark the partial run as interrupted; returns its folder."""
-        write_atomic(self.partial / INTERRUPTED_MARK, reason + "\n")
+        with contextlib.suppress(OSError):  # a full disk: the error that stopped the run is the one to see
+            write_atomic(self.partial / INTERRUPTED_MARK, reason + "\n")
         self.release()
         return self.partial
 

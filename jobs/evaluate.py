@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.files import StagedRun, write_atomic
+from core.files import RunDirError, StagedRun, disk_full, write_atomic
 from core.loader import ConfigError
 from jobs.config import config_text
 from jobs.demo import ensure_demo_model
@@ -91,13 +91,25 @@ def evaluate(adapter: Adapter, tasks: list[dict], data_type: str, rollout_cfg: A
         for kk in rollout_cfg.pass_k:
             correct = [sum(t.correct for t in trajs[j * k:(j + 1) * k]) for j in range(len(tasks))]
             metrics[f"pass@{kk}"] = sum(pass_at_k(k, c, kk) for c in correct) / max(len(tasks), 1)
-        if out_dir is not None and is_main(accelerator):
-            write_jsonl(trajs, out_dir / f"trajectories-{tag}.jsonl")  # whole records (step maps included)
-            if rollout_cfg.output_unmasking_history:
-                write_atomic(out_dir / f"trace-{tag}.html",
-                             build_trace_html(list(trajs[:TRACE_SAMPLES]), adapter.tokenizer))
         results.append(metrics)
+        if out_dir is not None and is_main(accelerator):
+            try:
+                write_jsonl(trajs, out_dir / f"trajectories-{tag}.jsonl")  # whole records (step maps included)
+                if rollout_cfg.output_unmasking_history:
+                    write_atomic(out_dir / f"trace-{tag}.html",
+                                 build_trace_html(list(trajs[:TRACE_SAMPLES]), adapter.tokenizer))
+            except OSError as err:
+                raise _unsaved(err, out_dir, results, name) from None
     return results
+
+
+def _unsaved(err: OSError, where: Path, results: list[dict], name: str) -> OSError:
+    """A full disk while writing the results: one line that still gives the scores; any other error as it was."""
+    if not disk_full(err, where):
+        return err
+    scores = ", ".join(f"acc {r['acc']:.3f} ({r['setting']['remasking_strategy']}, block "
+                       f"{r['setting']['block_size'] or '-'})" for r in results)
+    return RunDirError(f"no space left on the device while writing {where}; not saved: {scores} on {name}")
 
 
 def summary_table(results: list[dict]) -> str:
@@ -149,8 +161,11 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
         for r in results:
             r["model"] = cfg.model.pretrained_model
         if run is not None:
-            write_atomic(run.dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
-            write_atomic(run.dir / "config.yaml", config_text(cfg))
+            try:
+                write_atomic(run.dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
+                write_atomic(run.dir / "config.yaml", config_text(cfg))
+            except OSError as err:
+                raise _unsaved(err, run.dir, results, cfg.dataset.eval_dataset) from None
     except BaseException as err:
         if run is not None:
             run.abandon(_why(err))

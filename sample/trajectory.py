@@ -106,10 +106,14 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for t in trajectories:
-            f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for t in trajectories:
+                f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk keeps no half file taking the space
+        raise
 
 
 def read_jsonl(path: str | Path) -> Iterator[Trajectory]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -46,6 +47,36 @@ def test_eval_missing_checkpoint_is_one_line(tmp_path, capsys):
     rc = eval_entry.main(["config=configs/trado_eval.yaml", f"model.pretrained_model={tmp_path / 'nope'}"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0 and "is not a folder with a config.json" in err
+
+
+def test_a_full_disk_while_writing_an_eval_is_one_line_with_its_scores(tmp_path, capsys, demo_tokenizer,
+                                                                         monkeypatch):
+    """The scores are computed before the files are written: a full disk then gives them in its one-line error,
+    and leaves no half-written trajectories file taking the space."""
+    import errno
+
+    import sample.trajectory
+
+    real_dumps, written = sample.trajectory.json.dumps, []
+
+    def dumps_until_the_disk_is_full(obj, **kwargs):
+        if len(written) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(obj)
+        return real_dumps(obj, **kwargs)
+
+    monkeypatch.setattr(sample.trajectory.json, "dumps", dumps_until_the_disk_is_full)
+    save_tiny_checkpoint(tmp_path / "tiny", "sdar", demo_tokenizer, size="demo")
+    capsys.readouterr()
+    out = tmp_path / "runs"
+    rc = eval_entry.main(["config=configs/demo/eval_demo.yaml", f"experiment.output_dir={out}",
+                          f"model.pretrained_model={tmp_path / 'tiny'}", "rollout.max_token=8",
+                          "dataset.builtin_size=8", "experiment.seed=1"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(err) == 1
+    assert re.fullmatch(rf"error: no space left on the device while writing {re.escape(str(out))}/eval_demo\.partial; "
+                        r"not saved: acc \d\.\d{3} \(low_confidence_dynamic, block 4\) on builtin:arithmetic", err[0])
+    assert sorted(p.name for p in (out / "eval_demo.partial").iterdir()) == [".lock", "INTERRUPTED"]
 
 
 def _rollout(texts: list[str]) -> Rollout:
