@@ -65,7 +65,7 @@ from models.lora import wrapped_model
 from models.registry import DTYPES, family_spec, load_model, load_policy
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages, overlong_penalty
-from sample.generate import sampling_dtype
+from sample.generate import longest_prompt, sampling_dtype
 from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
 from train.accelerator import gather_objects
 from train.algorithms import algorithm
@@ -349,20 +349,27 @@ class RLJob:
 
     def _drawable_tasks(self) -> list[int]:
         """Dataset rows a step may draw: those whose prompt fits ``training.max_prompt_len`` (a longer prompt's
-        samples would be dropped by training), and enough of them for ``rollout.num_task_per_step``."""
-        cfg, limit = self.cfg, self.cfg.training.max_prompt_len
+        samples would be dropped by training) and the model's positions with the rollout's response room (a longer
+        one would stop the run at the step that draws it, and again on resume), and enough of them for
+        ``rollout.num_task_per_step``."""
+        cfg = self.cfg
         name, k = cfg.dataset.train_dataset, cfg.rollout.num_task_per_step
+        limits = {"training.max_prompt_len": cfg.training.max_prompt_len,
+                  "the model's positions": longest_prompt(self.adapter, cfg.rollout)}
+        limits = {what: n for what, n in limits.items() if n is not None}
         rows = range(len(self.tasks))
-        if limit is not None:
+        if limits:
+            what, limit = min(limits.items(), key=lambda item: item[1])
             lengths = [len(prompt_ids(self.adapter, self.tasks[i], cfg.dataset.data_type, cfg.rollout.start_with_think))
                        for i in rows]
             rows = [i for i in rows if lengths[i] <= limit]
+            said = f"{what}={limit}" if what.startswith("training.") else \
+                f"{what} ({self.adapter.position_limit}, less the rollout's room: prompts up to {limit} tokens)"
             if not rows:
-                raise RunDirError(f"no prompt of {name} fits training.max_prompt_len={limit} (the shortest has "
-                                  f"{min(lengths)} tokens)")
+                raise RunDirError(f"no prompt of {name} fits {said}; the shortest has {min(lengths)} tokens")
             if len(rows) < len(self.tasks) and self.main:
                 print(f"note: {len(self.tasks) - len(rows)} of {len(self.tasks)} tasks of {name} have prompts over "
-                      f"training.max_prompt_len={limit} and are never drawn", flush=True)
+                      f"{said} and are never drawn", flush=True)
         if len(rows) < k:
             raise RunDirError(f"{name} has {len(rows)} usable tasks, fewer than rollout.num_task_per_step={k}: "
                               "lower num_task_per_step or use a bigger dataset")

@@ -168,16 +168,21 @@ class BlockSampler:
         per_row, dtype = _ROW_STATE[name]
         return torch.zeros(n, *((self.b,) if per_row == "block" else ()), dtype=dtype, device=self.device)
 
+    @staticmethod
+    def longest_prompt(block: int, limit: int | None) -> int | None:
+        """The longest prompt that leaves a block of room below ``limit`` positions (None: no limit)."""
+        return None if limit is None else (limit // block) * block - 1
+
     def check_prompt(self, index: int, prompt: list[int]) -> int:
         """The response budget of a prompt; a clear error when it leaves no room below the position limit."""
-        if self.limit is None:
+        longest = self.longest_prompt(self.b, self.limit)
+        if longest is None:
             return self.params.max_tokens
-        room = (self.limit // self.b) * self.b - len(prompt)
-        if room <= 0:
+        if len(prompt) > longest:
             raise PromptTooLongError(f"prompt {index} has {len(prompt)} tokens; the model accepts {self.limit} "
                                      f"positions (max_position_embeddings), which leaves no room for a block of "
                                      f"{self.b}")
-        return min(self.params.max_tokens, room)
+        return min(self.params.max_tokens, longest + 1 - len(prompt))
 
     def step(self) -> list[Finished]:
         """One forward of every running sequence; the sequences that finished in it."""

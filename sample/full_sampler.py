@@ -77,8 +77,8 @@ class FullSampler:
                  generator: torch.Generator):
         self.adapter, self.params, self.generator = adapter, params, generator
         self.bl = params.block_for("full", None)
-        self.n_blocks = -(-params.max_tokens // self.bl)
-        self.gen_len = self.n_blocks * self.bl
+        self.gen_len = self.canvas(params)
+        self.n_blocks = self.gen_len // self.bl
         per_block = split_steps(params.steps or self.gen_len, self.n_blocks)
         self.device = next(adapter.model.parameters()).device
         self.schedule = schedule_table([block_schedule(self.bl, s) for s in per_block], self.bl, self.device)
@@ -106,6 +106,12 @@ class FullSampler:
             setattr(self, name, torch.empty(0, **long0))
         self.width = 0
         self._reset_cache()
+
+    @staticmethod
+    def canvas(params: SamplingParams) -> int:
+        """The response canvas: max_tokens rounded up to whole blocks."""
+        block = params.block_for("full", None)
+        return -(-params.max_tokens // block) * block
 
     def check_prompt(self, index: int, prompt: list[int]) -> int:
         """The response budget; a clear error when prompt + canvas does not fit the model's positions."""

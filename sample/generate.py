@@ -154,6 +154,16 @@ def make_sampler(adapter: Adapter, params: SamplingParams, stop_ids: set[int], l
     raise ValueError(f"adapter.attention must be 'block' or 'full', got {adapter.attention!r}")
 
 
+def longest_prompt(adapter: Adapter, params: SamplingParams) -> int | None:
+    """The longest prompt (in tokens) ``generate`` samples with these settings; None: the model sets no limit."""
+    limit = adapter.position_limit
+    if limit is None:
+        return None
+    if adapter.attention == "block":
+        return BlockSampler.longest_prompt(params.block_size or adapter.block_size, limit)
+    return limit - FullSampler.canvas(params)
+
+
 def seeded_generator(adapter: Adapter, seed: int | None) -> torch.Generator:
     """A generator on the model's device, seeded with ``seed`` (None: a nondeterministic seed)."""
     device = next(adapter.model.parameters()).device

@@ -195,8 +195,8 @@ def test_a_kill_while_pruning_leaves_a_checkpoint_resume_skips(tmp_path, model, 
 def test_too_few_tasks_and_prompts_over_the_limit(tmp_path, model, rl, capsys):
     with pytest.raises(RunDirError, match="has 64 usable tasks, fewer than rollout.num_task_per_step=65"):
         rl(tmp_path, model, **{"rollout.num_task_per_step": 65})
-    with pytest.raises(RunDirError, match="no prompt of builtin:arithmetic fits training.max_prompt_len=3 "
-                                          r"\(the shortest has \d+ tokens\)"):
+    with pytest.raises(RunDirError, match=r"no prompt of builtin:arithmetic fits training.max_prompt_len=3; the "
+                                          r"shortest has \d+ tokens"):
         rl(tmp_path, model, **{"training.max_prompt_len": 3})
 
 
@@ -222,6 +222,35 @@ def test_tasks_over_max_prompt_len_are_never_drawn(tmp_path, model, rl, capsys):
              for x in (tmp_path / "run" / f"step_{i}" / "rollouts.jsonl").read_text().splitlines()}
     assert drawn and all(i % 2 == 0 for i in drawn)
     assert all(m["kept"] == m["samples"] - m["dropped"] and m["optimizer_steps"] >= 1 for m in history)
+
+
+def test_tasks_over_the_models_positions_are_never_drawn(tmp_path, model, rl, capsys):
+    """A prompt that leaves no block of room below the model's positions would stop the run at the step that draws
+    it (and again on resume): such tasks are left out at the start, as those over training.max_prompt_len are."""
+    import shutil
+
+    from data.prompts import prompt_ids
+    from models.registry import load_model
+
+    rows = [{"question": f"What is {i} + 1?" + (" Think about it carefully." * 4 if i % 2 else ""),
+             "ground_truth_answer": str(i + 1)} for i in range(10)]
+    data = tmp_path / "mixed.json"
+    data.write_text(json.dumps(rows))
+    short = shutil.copytree(model, tmp_path / "short")
+    adapter = load_model(load_config(demo_args(tmp_path, model), "rl").model, device="cpu")
+    lengths = [len(prompt_ids(adapter, r, "math")) for r in rows]
+    positions = (max(lengths[0::2]) // 4 + 1) * 4  # block 4: prompts up to positions - 1 tokens leave a block
+    assert positions - 1 < min(lengths[1::2])  # the even rows fit, the odd ones do not
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    capsys.readouterr()
+    rl(tmp_path, short, **{"experiment.total_step": 2, "dataset.train_dataset": str(data)})
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:")]
+    assert notes == [f"note: 5 of 10 tasks of {data} have prompts over the model's positions ({positions}, less the "
+                     f"rollout's room: prompts up to {positions - 1} tokens) and are never drawn"]
+    drawn = {json.loads(x)["task_index"] for i in (1, 2)
+             for x in (tmp_path / "run" / f"step_{i}" / "rollouts.jsonl").read_text().splitlines()}
+    assert drawn and all(i % 2 == 0 for i in drawn)
 
 
 def test_steps_without_an_update_stop_the_run(tmp_path, model, rl):
