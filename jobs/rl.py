@@ -211,11 +211,16 @@ class RLJob:
             self.lock.release()
 
     def interrupted_detail(self) -> str:
-        """What an interrupted run leaves behind, and how to continue it."""
-        done = self.run.complete_steps()
+        """What an interrupted run leaves behind, and how to continue it: a resume continues from the last
+        checkpoint (steps logged after it are run again)."""
+        done, saved = self.run.complete_steps(), self.run.last_checkpoint()
+        resume = "continue with experiment.start_from_scratch=false"
+        if saved is not None:
+            again = f"; steps {saved + 1}..{done[-1]} are run again" if done[-1] > saved else ""
+            return f"the last checkpoint in {self.root} is step {saved}{again}; {resume}"
         if done:
-            return (f"steps up to {done[-1]} are complete in {self.root} (the step in progress is discarded when "
-                    "the run continues); continue with experiment.start_from_scratch=false")
+            return (f"steps up to {done[-1]} are logged in {self.root} but none is checkpointed (experiment."
+                    f"save_every={self.cfg.experiment.save_every}): a resume starts again from step 1; {resume}")
         return f"no step completed in {self.root}; start it again with experiment.start_from_scratch=false"
 
     # ------------------------------------------------------------ setup

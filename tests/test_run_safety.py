@@ -297,6 +297,35 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_step(tmp_pa
     assert [m["step"] for m in rl(tmp_path, model, **{"experiment.start_from_scratch": "false"})] == [1, 2, 3]
 
 
+def test_an_interrupted_run_says_where_a_resume_continues_from(tmp_path):
+    """A resume continues from the last checkpoint: the message says which, and that the steps logged after it are
+    run again (it said "steps up to N are complete" with no checkpoint, and the resume started from step 1)."""
+    from types import SimpleNamespace
+
+    from jobs.rl import RLJob, RunDir
+
+    job = object.__new__(RLJob)
+    job.root, job.run = tmp_path, RunDir(tmp_path)
+    job.cfg = SimpleNamespace(experiment=SimpleNamespace(save_every=3))
+    assert job.interrupted_detail() == (f"no step completed in {tmp_path}; start it again with "
+                                        "experiment.start_from_scratch=false")
+    for i in (1, 2):
+        (tmp_path / f"step_{i}").mkdir()
+        (tmp_path / f"step_{i}" / "metrics.json").write_text("{}")
+    assert job.interrupted_detail() == (f"steps up to 2 are logged in {tmp_path} but none is checkpointed "
+                                        "(experiment.save_every=3): a resume starts again from step 1; continue "
+                                        "with experiment.start_from_scratch=false")
+    (tmp_path / "step_2" / "ckpt").mkdir()
+    (tmp_path / "step_2" / "ckpt" / "DONE").write_text("")
+    assert job.interrupted_detail() == (f"the last checkpoint in {tmp_path} is step 2; continue with "
+                                        "experiment.start_from_scratch=false")
+    for i in (3, 4):
+        (tmp_path / f"step_{i}").mkdir()
+        (tmp_path / f"step_{i}" / "metrics.json").write_text("{}")
+    assert job.interrupted_detail() == (f"the last checkpoint in {tmp_path} is step 2; steps 3..4 are run again; "
+                                        "continue with experiment.start_from_scratch=false")
+
+
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     return os.geteuid() == 0 and shutil.which("mount") is not None and subprocess.run(
