@@ -48,6 +48,7 @@ def world(tmp_path_factory):
     (data / "empty.json").write_text("[]")
     (data / "no_answer.json").write_text(json.dumps([{"question": "1+1?"}]))
     (data / "broken.json").write_text('[{"question": "1+1?", ')
+    (data / "rows.csv").write_text("question,ground_truth_answer\n1+1?,2\n")
     (data / "math_rows.json").write_text(json.dumps([{"question": "1+1?", "ground_truth_answer": "2"}]))
     (base / "yaml_typo.yaml").write_text((ROOT / DEMO).read_text().replace("rollout:", "rollout:\n  temprature: 1"))
     (base / "bad_yaml.yaml").write_text("model:\n  pretrained_model: \"oops\n")
@@ -114,6 +115,9 @@ def _cases(w: Path) -> list[tuple[str, list[str], str]]:
         ("dataset empty", [*run, f"dataset.eval_dataset={w / 'data/empty.json'}"], "empty.json"),
         ("row without answer", [*run, f"dataset.eval_dataset={w / 'data/no_answer.json'}"], "ground_truth_answer"),
         ("dataset invalid json", [*run, f"dataset.eval_dataset={w / 'data/broken.json'}"], "broken.json"),
+        ("dataset of another format", [*run, f"dataset.eval_dataset={w / 'data/rows.csv'}"],
+         "rows.csv: RL and eval data is a .json or .jsonl file"),
+        ("dataset a folder", [*run, f"dataset.eval_dataset={w / 'data'}"], "RL and eval data is a .json or .jsonl"),
         ("math rows as code", [*run, f"dataset.eval_dataset={w / 'data/math_rows.json'}", "dataset.data_type=code"],
          "test_method"),
         # output directories
