@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 from collections.abc import Callable
@@ -33,6 +34,9 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
     raise Terminated()
 
 
+_MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES}  # full disk, quota, read-only, permission
+
+
 def run_job(job: Callable[[], object]) -> int:
     """Run ``job``; a user error prints ``error: <one line>`` and returns 2, an interrupt prints one line."""
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -47,6 +51,9 @@ def run_job(job: Callable[[], object]) -> int:
     except Exception as err:
         if isinstance(err, _user_errors()):
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        if isinstance(err, OSError) and err.errno in _MACHINE_ERRNOS:  # the machine's, not the program's
+            print(f"error: {err.strerror}{f': {err.filename}' if err.filename else ''}", file=sys.stderr)
             return EXIT_USER_ERROR
         raise
     finally:

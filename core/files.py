@@ -30,6 +30,8 @@ def make_run_dir(root: Path) -> Path:
         culprit = next((p for p in [root, *root.parents] if p.exists() and not p.is_dir()), root)
         raise RunDirError(f"cannot create the run directory {root}: {culprit} is a file, not a directory "
                           "(choose another experiment.output_dir / experiment.project)") from None
+    except OSError as err:  # a read-only file system, a full disk, no permission
+        raise RunDirError(f"cannot create the run directory {root}: {err.strerror}") from None
     return root
 
 
@@ -62,8 +64,8 @@ class RunLock:
         self.path = make_run_dir(root) / LOCK_NAME
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError:
-            raise RunDirError(f"cannot write in the run directory {root}: permission denied") from None
+        except OSError as err:
+            raise RunDirError(f"cannot write in the run directory {root}: {err.strerror}") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -77,8 +79,12 @@ class RunLock:
             os.close(self.fd)
             raise RunDirError(f"run directory {root} is in use by a live run (pid {holder}); wait for it to end, "
                               "stop it, or choose another experiment.project") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        except OSError as err:  # a full disk
+            os.close(self.fd)
+            raise RunDirError(f"cannot write in the run directory {root}: {err.strerror}") from None
         _HELD_LOCKS.add(self.fd)
 
     def release(self) -> None:

@@ -716,3 +716,44 @@ def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path, umask, mode):
         os.umask(old)
     assert out.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == mode
     assert out.read_text() == "a: 1\n" and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_machine_that_refuses_the_write_is_one_line(tmp_path, monkeypatch, capsys):
+    """A run directory that cannot be made or written (read-only file system, full disk), and any write the machine
+    refuses later in a job, end in one line naming the cause, not a traceback."""
+    import errno
+
+    from core.entry import run_job
+    from core.files import RunLock
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "mkdir", read_only)
+        with pytest.raises(RunDirError, match=f"^cannot create the run directory {tmp_path / 'run'}: Read-only file "
+                                              "system$"):
+            RunLock(tmp_path / "run")
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", full_disk)
+        with pytest.raises(RunDirError, match=f"^cannot write in the run directory {tmp_path / 'run'}: No space left "
+                                              "on device$"):
+            RunLock(tmp_path / "run")
+    RunLock(tmp_path / "run").release()  # the failed attempt released its descriptor: the lock is free
+
+    def writes_its_config():
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "config.yaml"))
+
+    assert run_job(writes_its_config) == 2
+    config = tmp_path / "run" / "config.yaml"
+    assert capsys.readouterr().err.splitlines() == [f"error: No space left on device: {config}"]
+
+    def a_bug():
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    with pytest.raises(OSError, match="Bad file descriptor"):  # the program's own errors keep their traceback
+        run_job(a_bug)
