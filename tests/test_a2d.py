@@ -223,6 +223,14 @@ def test_distilled_rows_are_the_ar_models_own_greedy_answers_and_train_the_conve
     assert distill_main(["--source", str(src), "--out", str(data), "--n", "4", "--all", "--eval-n", "0",
                          "--max-new-tokens", "5"]) == 0
     assert len(data.read_text().splitlines()) == 4
+    # no answer right and no --all: nothing is written (an empty file SFT would refuse later); bad arguments are
+    # refused before the model answers
+    assert distill_main(["--source", str(src), "--out", str(tmp_path / "none.jsonl"), "--n", "4", "--eval-n", "0",
+                         "--max-new-tokens", "5"]) == 2
+    assert not (tmp_path / "none.jsonl").exists()
+    for bad in (["--out", str(tmp_path)], ["--out", str(data), "--eval-n", "-1"], ["--out", str(data), "--n", "0"]):
+        with pytest.raises(SystemExit, match="2"):
+            distill_main(["--source", str(tmp_path / "not_loaded"), *bad])
     # the adaptation: diffusion SFT of the converted (shifted, full-attention) model on those rows
     out = convert(src, "dream", tmp_path / "dream")
     cfg = load_config(["config=configs/demo/sft_demo.yaml", f"model.pretrained_model={out}", "model.model_base=dream",

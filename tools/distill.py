@@ -65,20 +65,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-n", type=int, default=256, help="held-out questions for the AR baseline (0: none)")
     ap.add_argument("--eval-seed", type=int, default=1, help="the held-out questions' seed")
     args = ap.parse_args(argv)
+    if Path(args.out).is_dir():  # said now, not after the answers are generated
+        ap.error(f"--out {args.out} is a folder: name the .jsonl file to write")
+    for name in ("n", "eval_n", "max_new_tokens"):
+        if getattr(args, name) < (0 if name == "eval_n" else 1):
+            ap.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'eval_n' else 1}, "
+                     f"got {getattr(args, name)}")
     from core.entry import run_job
 
     return run_job(lambda: _distill(args))  # a user error: one line, exit status 2
 
 
 def _distill(args: argparse.Namespace) -> None:
+    from core.files import write_atomic
+    from data.formats import DataFormatError
     from models.a2d import load_ar
 
     model, tokenizer = load_ar(args.source, args.gguf_file)
     rows = scored_rows(model, tokenizer, args.n, args.seed, args.difficulty, args.max_new_tokens)
     kept = rows if args.all else [r for r in rows if r["correct"]]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    if not kept:
+        raise DataFormatError(f"none of the {len(rows)} answers is correct: nothing to write to {args.out} (pass "
+                              "--all to keep wrong answers, or raise --max-new-tokens)")
+    out = write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in kept))
     print(f"wrote {len(kept)} rows to {out} ({sum(r['correct'] for r in rows)}/{len(rows)} answers correct)")
     if args.eval_n:
         held = scored_rows(model, tokenizer, args.eval_n, args.eval_seed, args.difficulty, args.max_new_tokens)

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from core.files import write_atomic
 from sample.trace_viewer import build_trace_html
 from sample.trajectory import read_jsonl
 
@@ -75,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.is_dir():
         parser.error(f"--out {out}: is a directory (give a file name, e.g. {out / 'trace.html'})")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(page, encoding="utf-8")
+        write_atomic(out, page)  # a full disk leaves the page it would replace whole
     except OSError as e:
         parser.error(f"--out {out}: cannot write it ({e.strerror or e})")
     n_tok = sum(len(t.response_ids) for t in trajs)
