@@ -308,11 +308,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "OUT/report.json")
     args = ap.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
+    if args.held_out < 1 or args.sft_steps < 0 or args.rl_steps < 0:
+        ap.error(f"--held-out must be at least 1 (got {args.held_out}); --sft-steps and --rl-steps at least 0")
     if unknown := set(args.stages) - set(ALL_STAGES):
         ap.error(f"--stages: unknown {', '.join(sorted(unknown))} (stages: {', '.join(ALL_STAGES)})")
     if args.source is None and not args.report:
         args.source, args.gguf_file = str(smollm2_folder()), args.gguf_file or GGUF_FILE
     return args
+
+
+def _read_report(path: Path) -> dict:
+    """An earlier run's report.json; a missing or damaged one is one line."""
+    from core.files import RunDirError
+
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunDirError(f"{path}: no report yet (run the stages first: python -m bench.real --out "
+                          f"{path.parent})") from None
+    except ValueError as err:
+        raise RunDirError(f"{path} is not a report ({err}): run the stages again, or remove it") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,11 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         out = Path(args.out)
         if args.report:
-            report = json.loads((out / "report.json").read_text())
+            report = _read_report(out / "report.json")
         else:
             out.mkdir(parents=True, exist_ok=True)
             source = str(Path(args.source) / args.gguf_file) if args.gguf_file else args.source
-            earlier = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
+            earlier = _read_report(out / "report.json") if (out / "report.json").is_file() else {}
             kept = {k: v for k, v in earlier.get("stages", {}).items() if k not in args.stages}
             ran = Stages(args).run(args.stages)["stages"]
             report = {"hardware": hardware_line("cpu"), "source": source,
