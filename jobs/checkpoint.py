@@ -119,7 +119,19 @@ def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...],
     saved_path = root / "config.yaml"
     if not saved_path.is_file():
         return
-    saved, now = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(to_dict(cfg))
+    try:
+        tree = yaml.safe_load(saved_path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise RunDirError(f"cannot resume {root}: its config.yaml is unreadable ({' '.join(str(err).split())[:120]}); "
+                          "restore it, or start again with experiment.overwrite=true") from None
+    if not isinstance(tree, dict):
+        raise RunDirError(f"cannot resume {root}: its config.yaml holds no config; restore it, or start again with "
+                          "experiment.overwrite=true")
+    saved, now = _flatten(tree), _flatten(to_dict(cfg))
+    foreign = sorted(k for k in saved if k not in now and saved[k] is not None)
+    if foreign:  # a section this job does not have: the folder is another kind of run (an SFT run's, an eval's)
+        raise RunDirError(f"cannot resume {root}: its config.yaml has {foreign[0]!r}, which this job does not: it is "
+                          "another kind of run; choose another experiment.project")
     # a key newer than the run's config.yaml (added by a later version) matches when it keeps its default
     defaults = _flatten(defaults_tree(type(cfg)))
     saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})

@@ -676,6 +676,16 @@ def test_a_run_from_before_a_new_config_section_resumes(tmp_path, model, rl):
     with pytest.raises(RunDirError, match="'process_reward.k_sample' was 3 and is now 5"):  # a real change is not
         rl(tmp_path, model, **{"experiment.total_step": 3, "experiment.start_from_scratch": "false",
                                "process_reward.k_sample": 5})
+    resume = {"experiment.total_step": 3, "experiment.start_from_scratch": "false"}
+    tree = yaml.safe_load(saved.read_text())
+    saved.write_text(yaml.safe_dump({**tree, "dataset": {**tree["dataset"], "optimization_data": "x.json"}}))
+    with pytest.raises(RunDirError, match=f"^cannot resume {tmp_path / 'run'}: its config.yaml has "
+                                          "'dataset.optimization_data', which this job does not: it is another kind"):
+        rl(tmp_path, model, **resume)  # an SFT run's folder
+    for text, said in (("experiment: [unclosed", "is unreadable"), ("", "holds no config")):
+        saved.write_text(text)
+        with pytest.raises(RunDirError, match=f"^cannot resume {tmp_path / 'run'}: its config.yaml {said}"):
+            rl(tmp_path, model, **resume)
 
 
 def test_safetensors_full_disk_and_unreadable_checkpoints_never_lose_the_run(tmp_path, model, rl, monkeypatch):
