@@ -174,6 +174,19 @@ class Adapter:
 _MARK = "\ue000"  # a private-use character marking where message contents go in the rendered template
 
 
+def _family_hint(model_type: Any, raw: dict) -> str:
+    """What to do with a checkpoint of another model_type: the family that reads it, or A2D for an AR model."""
+    from models.a2d import SOURCES  # torch-free constants (the converter itself loads lazily)
+
+    if model_type in SOURCES:
+        return (f": an autoregressive {model_type} checkpoint; convert it first (python -m tools.a2d --source ... "
+                "--to sdar|dream)")
+    if model_type == "llada" and is_llada_moe(raw):
+        return "; this checkpoint loads with model.model_base=llada_moe"
+    bases = [base for base, spec in FAMILIES.items() if model_type in spec.model_types]
+    return f"; this checkpoint loads with model.model_base={' or '.join(bases)}" if bases else ""
+
+
 def family_spec(model_base: str) -> FamilySpec:
     if model_base not in FAMILIES:
         raise ModelLoadError(f"unknown model_base {model_base!r}; expected one of {sorted(FAMILIES)}")
@@ -268,7 +281,7 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
         raise ModelLoadError(f"{path / 'config.json'}: not a valid JSON config ({e})") from None
     if model_type not in spec.model_types:
         raise ModelLoadError(f"{path}: model_type {model_type!r} does not match model_base {model_base!r} "
-                             f"(expected {' or '.join(spec.model_types)})")
+                             f"(expected {' or '.join(spec.model_types)}){_family_hint(model_type, raw)}")
     moe = model_type == "llada" and is_llada_moe(raw)
     if model_type == "llada" and moe != (model_base == "llada_moe"):
         which, base = ("LLaDA-MoE", "llada_moe") if moe else ("dense LLaDA", "llada or mmada")

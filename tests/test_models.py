@@ -258,9 +258,16 @@ def test_model_load_keys_cover_every_job_model_key():
 
 def test_model_type_mismatch(tmp_path, demo_tokenizer):
     path = save_tiny_checkpoint(tmp_path / "d", "dream", demo_tokenizer, size="test")
-    with pytest.raises(ModelLoadError, match="model_type 'Dream' does not match model_base 'sdar'"):
+    with pytest.raises(ModelLoadError, match=r"model_type 'Dream' does not match model_base 'sdar' \(expected "
+                                             r"sdar\); this checkpoint loads with model.model_base=dream$"):
         load_model({"pretrained_model": str(path), "model_base": "sdar"})
     assert json.loads((path / "config.json").read_text())["model_type"] == "Dream"
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))  # an AR checkpoint
+    with pytest.raises(ModelLoadError, match=r"model_type 'qwen2' does not match model_base 'sdar' \(expected sdar\): "
+                                             r"an autoregressive qwen2 checkpoint; convert it first \(python -m "
+                                             r"tools.a2d"):
+        load_model({"pretrained_model": str(path), "model_base": "sdar"})
 
 
 def test_tokenizer_without_mask_token(tiny, demo_tokenizer):
