@@ -6,8 +6,9 @@ it works offline once downloaded), or ``builtin:arithmetic``. Rows are ``{prompt
 ``{messages: [...]}`` (the last assistant message is the response). Prompts are rendered with the tokenizer's chat
 template (a prompt that already starts with one of the tokenizer's special tokens, i.e. is rendered, is taken as
 it is); the response is encoded as text and closed with the family's turn-end token; the loss covers response
-tokens only. Rows whose prompt exceeds ``training.max_prompt_len`` are reported and skipped by id (nothing
-shifts); responses longer than ``training.max_gen_length`` are cut there, and the job says how many.
+tokens only. Rows whose prompt exceeds ``training.max_prompt_len``, or that are longer than the model's positions,
+are reported and skipped by id (nothing shifts); responses longer than ``training.max_gen_length`` are cut there,
+and the job says how many.
 
 Run directory ``{output_dir}/{project}/``: ``config.yaml``, ``metrics.jsonl`` (one line per optimiser step),
 ``ckpt/<optimized_name>/`` (the final model, loadable by ``from_pretrained`` / ``load_model``) and ``ckpt/last/``
@@ -321,8 +322,17 @@ class SFTJob:
         if cut and self.main:  # the trainer cuts them (their turn end untrained): say so, never silently
             print(f"note: {cut} of {len(kept)} responses are longer than training.max_gen_length "
                   f"({t.max_gen_length}) and are cut there (the model never learns to end them)", flush=True)
+        limit = self.adapter.position_limit  # past it the model would train at positions it was never built for
+        trained_len = [len(s.prompt_ids) + min(len(s.response_ids), t.max_gen_length or len(s.response_ids))
+                       for s in kept]
+        beyond = [s.sample_id for s, n in zip(kept, trained_len) if limit is not None and n > limit]
+        if beyond and self.main:
+            print(f"note: {len(beyond)} of {len(kept)} rows are longer than the model's {limit} positions (prompt "
+                  f"and response) and are skipped: {beyond[:5]}", flush=True)
+        kept = [s for s in kept if s.sample_id not in set(beyond)]
         if not kept:
-            raise DataFormatError(f"{d.optimization_data}: no row fits training.max_prompt_len")
+            raise DataFormatError(f"{d.optimization_data}: no row fits training.max_prompt_len and the model's "
+                                  f"{limit} positions")
         return kept
 
     def batch(self, step: int) -> list[Trajectory]:

@@ -276,6 +276,36 @@ def test_responses_cut_at_max_gen_length_are_reported(tmp_path, ckpt, capsys):
     assert "note: 8 of 8 responses are longer than training.max_gen_length (3)" in capsys.readouterr().out
 
 
+def test_rows_over_max_prompt_len_or_the_models_positions_are_skipped_and_reported(tmp_path, ckpt, capsys):
+    """Rows 0-3: short; 4-5: a long prompt (over training.max_prompt_len); 6-7: a long response (over the model's
+    positions, set to 48 here, with the prompt): each kind is skipped by id and said so, the rest train."""
+    import shutil
+
+    short = shutil.copytree(ckpt, tmp_path / "short")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
+    rows = [{"prompt": f"What is {i} + 1?", "response": f"{i + 1}"} for i in range(4)]
+    rows += [{"prompt": "word " * 40 + f"{i}?", "response": "1"} for i in range(2)]
+    rows += [{"prompt": f"Count to {i}.", "response": "one two three " * 12} for i in range(2)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(sft_args(tmp_path, short, **{"training.max_steps": 1, "dataset.optimization_data": data,
+                                                   "dataset.builtin_size": "null", "training.max_prompt_len": 40,
+                                                   "training.max_gen_length": "null",
+                                                   "training.samples_per_step": 4}), "sft")
+    job = SFTJob(cfg, progress=False)
+    try:
+        job.prepare()
+        kept = [s.sample_id for s in job.samples]
+    finally:
+        job.close()
+    out = capsys.readouterr().out
+    assert kept == ["r0", "r1", "r2", "r3"]
+    assert "note: 2 of 8 rows have prompts over training.max_prompt_len (40) and are skipped: ['r4', 'r5']" in out
+    assert "note: 2 of 6 rows are longer than the model's 48 positions (prompt and response) and are skipped: " \
+        "['r6', 'r7']" in out
+
+
 def test_script_family_must_match_the_model(tmp_path, ckpt):
     proc = subprocess.run([sys.executable, "train/sft_dream.py", *sft_args(tmp_path, ckpt)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
