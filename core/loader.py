@@ -191,16 +191,18 @@ def _is_section(tp: Any) -> bool:
 
 
 def closest_key(key: str, root: type) -> str:
-    """The valid key most similar to `key`: a sibling, else the same name elsewhere, else the best overall."""
+    """The valid key whose last name is most like `key`'s, in any section (a sibling on a tie: ``training.lerning_rate``
+    means ``optimizer.params.learning_rate``, not the sibling ``training.lower_p``); else the best overall."""
     parent, _, leaf = key.rpartition(".")
     keys = all_keys(root)
-    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}
-    match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
-    if match:
-        return siblings[match[0]]
-    same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf]
-    if same_leaf:
-        return same_leaf[0]
+
+    def likeness(k: str) -> tuple[float, bool]:
+        section, _, name = k.rpartition(".")
+        return difflib.SequenceMatcher(None, leaf, name).ratio(), section == parent
+
+    best = max(keys, key=likeness)
+    if likeness(best)[0] >= 0.6:
+        return best
     return difflib.get_close_matches(key, keys, n=1, cutoff=0.0)[0]
 
 

@@ -475,3 +475,13 @@ def test_a_config_handed_to_the_wrong_script_says_which_script_runs_it(path, kin
 def test_a_typo_gets_the_closest_key_and_no_other_script():
     typo = _error(["config=configs/demo/rl_demo.yaml", "rollout.temprature=0.5"], "rl")
     assert "closest valid key: 'rollout.temperature'" in typo and "this is" not in typo  # a typo: no other kind fits
+
+
+@pytest.mark.parametrize("typo,closest", [
+    ("training.lerning_rate=1e-5", "optimizer.params.learning_rate"),  # in another section (not training.lower_p)
+    ("rollout.learning_rate=1e-5", "optimizer.params.learning_rate"),  # the exact name, in another section
+    ("rollout.top_kk=3", "rollout.top_k"),  # a sibling wins a tie
+    ("evaluation.temprature=0.5", "evaluation.temperature"),  # a name both sections have: the sibling
+])
+def test_the_closest_key_is_looked_for_in_every_section(typo, closest):
+    assert f"closest valid key: '{closest}'" in _error(["config=configs/demo/rl_demo.yaml", typo], "rl")
