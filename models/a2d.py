@@ -48,6 +48,10 @@ def load_ar(source: str | Path, gguf_file: str | None = None) -> tuple[Any, Any]
     if not source.is_dir():
         raise ConversionError(f"--source {source}: not a folder (a local Hugging Face checkpoint)")
     _refuse_diffusion_source(source)
+    if gguf_file and not (source / gguf_file).is_file():  # transformers would look for it on the Hub
+        found = sorted(p.name for p in source.glob("*.gguf"))
+        raise ConversionError(f"--gguf-file {gguf_file}: no such file in {source} (GGUF files there: "
+                              f"{', '.join(found) or 'none'})")
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(str(source), trust_remote_code=False, **extra)
@@ -111,6 +115,8 @@ def check_source(config: Any) -> None:
 
 def add_mask_token(tokenizer: Any, mask_token: str) -> int:
     """Add ``mask_token`` as a new special token; returns its id."""
+    if not mask_token.strip():
+        raise ConversionError(f"--mask-token {mask_token!r}: give the new token some text (default <|mask|>)")
     if mask_token in tokenizer.get_vocab():
         raise ConversionError(f"--mask-token {mask_token!r} is already a token of this tokenizer (id "
                               f"{tokenizer.convert_tokens_to_ids(mask_token)}); choose a new one")

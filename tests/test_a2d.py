@@ -141,6 +141,11 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
         convert(src, "dream", tmp_path / "w", block_size=4)
     with pytest.raises(ConversionError, match=r"^--block-size must be at least 1, got 0"):
         convert(src, "sdar", tmp_path / "w", block_size=0)
+    with pytest.raises(ConversionError, match=f"^--gguf-file model.gguf: no such file in {src} \\(GGUF files there: "
+                                              "none\\)$"):
+        convert(src, "sdar", tmp_path / "w", gguf_file="model.gguf")
+    with pytest.raises(ConversionError, match=r"^--mask-token '': give the new token some text"):
+        convert(src, "sdar", tmp_path / "w", mask_token="")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
     with pytest.raises(RunDirError, match=f"^--out {tmp_path / 'full'} is a folder that holds files: choose "
