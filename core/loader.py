@@ -361,6 +361,10 @@ def split_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
 
 def read_yaml(path: str) -> dict[str, Any]:
     """Read a YAML mapping, without resolving interpolations."""
+    if Path(path).is_dir():
+        inside = sorted(p.name for p in Path(path).glob("*.yaml"))[:4]
+        raise ConfigError(f"config={path}: a folder, not a config file (YAML files in it: "
+                          f"{', '.join(inside) or 'none'})", key="config", source=path)
     if not Path(path).is_file():
         raise ConfigError(f"config={path}: file not found (cwd {os.getcwd()})", key="config", source=path)
     try:

@@ -70,6 +70,8 @@ def _cases(w: Path) -> list[tuple[str, list[str], str]]:
         ("unknown key in file", [f"config={w / 'yaml_typo.yaml'}"], "rollout.temprature"),
         ("no config argument", ["rollout.top_k=1"], "config="),
         ("config not found", ["config=/nonexistent/eval.yaml"], "/nonexistent/eval.yaml"),
+        ("config a folder", ["config=configs/demo"], "config=configs/demo: a folder, not a config file (YAML files in "
+                                                     "it: eval_demo.yaml,"),
         ("invalid yaml", [f"config={w / 'bad_yaml.yaml'}"], "bad_yaml.yaml"),
         ("argument without =", [f"config={DEMO}", "verbose"], "verbose"),
         ("malformed key", [f"config={DEMO}", "rollout..top_k=1"], "rollout..top_k"),
