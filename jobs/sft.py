@@ -136,6 +136,9 @@ def _hub_rows(name: str) -> list[dict]:
     return [_check_row(r, name, i) for i, r in enumerate(rows)]
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # what chat templates render
+
+
 def _check_row(row: Any, where: str, i: int) -> dict:
     """The row, validated; chat contents given as lists of text parts (OpenAI's form) come back as strings."""
     if not isinstance(row, dict):
@@ -146,6 +149,9 @@ def _check_row(row: Any, where: str, i: int) -> dict:
                                                              and "content" in m for m in msgs):
             raise DataFormatError(f"{where}: row {i}: field 'messages': expected a list of {{role, content}} with "
                                   "string roles")
+        if unknown := next((m["role"] for m in msgs if m["role"] not in CHAT_ROLES), None):
+            raise DataFormatError(f"{where}: row {i}: field 'messages': unknown role {unknown!r} (roles: "
+                                  f"{', '.join(CHAT_ROLES)})")
         if msgs[-1]["role"] != "assistant":
             raise DataFormatError(f"{where}: row {i}: field 'messages': the last message must be the assistant's")
         if len(msgs) < 2:
