@@ -143,7 +143,8 @@ def test_tasks_cli_writes_a_valid_file(tmp_path):
     assert done.returncode == 0, done.stderr
     assert load_dataset_file(out, "math") == arithmetic_task(7, seed=0)
     for bad, error in ((["--n", "0"], "--n: must be >= 1"), (["--difficulty", "0"], "--difficulty: must be >= 1"),
-                       (["--out", str(tmp_path)], "is a directory")):
+                       (["--out", str(tmp_path)], "is a directory"),
+                       (["--task", "code", "--difficulty", "3"], "--difficulty applies to --task arithmetic only")):
         args = ["--task", "arithmetic", "--out", str(out), *bad]
         done = subprocess.run([sys.executable, "-m", "tools.write_tasks", *args], cwd=REPO, capture_output=True,
                               text=True, timeout=60)

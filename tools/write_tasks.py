@@ -26,13 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", choices=("arithmetic", "code"), required=True)
     parser.add_argument("--n", type=_at_least_one, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--difficulty", type=_at_least_one, default=1, help="arithmetic only")
+    parser.add_argument("--difficulty", type=_at_least_one, default=None, help="arithmetic only (default 1)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if Path(args.out).is_dir():
         parser.error(f"--out {args.out} is a directory: name the file to write")
+    if args.task != "arithmetic" and args.difficulty is not None:
+        parser.error(f"--difficulty applies to --task arithmetic only, not {args.task}")
     if args.task == "arithmetic":
-        rows, kind = arithmetic_task(args.n, args.seed, args.difficulty), "math"
+        rows, kind = arithmetic_task(args.n, args.seed, args.difficulty or 1), "math"
     else:
         rows, kind = code_task(args.n, args.seed), "code"
     print(f"wrote {len(rows)} {args.task} tasks to {save_dataset_file(rows, args.out, kind)}")
