@@ -482,6 +482,8 @@ def test_a_typo_gets_the_closest_key_and_no_other_script():
     ("rollout.learning_rate=1e-5", "optimizer.params.learning_rate"),  # the exact name, in another section
     ("rollout.top_kk=3", "rollout.top_k"),  # a sibling wins a tie
     ("evaluation.temprature=0.5", "evaluation.temperature"),  # a name both sections have: the sibling
+    ("model.model_b=sdar", "model.model_base"),  # a cut name: its sibling, not the section 'model'
+    ("lora.target_mo=[q_proj]", "lora.target_modules"),  # not rollout.target elsewhere
 ])
 def test_the_closest_key_is_looked_for_in_every_section(typo, closest):
     assert f"closest valid key: '{closest}'" in _error(["config=configs/demo/rl_demo.yaml", typo], "rl")
