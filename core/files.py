@@ -184,41 +184,42 @@ def fsync_tree(path: Path) -> None:
 
 
 def check_model_out(out: str | os.PathLike[str], overwrite: bool, *inputs: str | os.PathLike[str]) -> Path:
-    """Refuse an ``--out`` that would lose data: a file, one of the tool's own ``inputs``, or a folder holding
-    files without ``overwrite``. Check it before the work, not after."""
-    out = Path(out)
+    """Refuse an ``--out`` that would lose data: a file, one of the tool's own ``inputs`` or a folder holding one,
+    or a folder holding files without ``overwrite``. Check it before the work, not after."""
+    out = Path(out).resolve()
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file: name a folder")
-    if any(out.resolve() == Path(p).resolve() for p in inputs):
-        raise RunDirError(f"--out {out} is an input of this command: write to another folder")
+    if any(Path(p).resolve().is_relative_to(out) for p in inputs):
+        raise RunDirError(f"--out {out} is (or holds) an input of this command: write to another folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise RunDirError(f"--out {out} is a folder that holds files: choose another, or pass --overwrite")
     return out
 
 
 def write_model_folder(out: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
-    """Fill a model folder through ``<out>.partial`` and move it into place whole: the folder it replaces stays
-    until the new one is complete, and a failed write (a full disk) leaves no half of either."""
-    out = Path(out)
-    partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    shutil.rmtree(partial, ignore_errors=True)  # a stale one of an earlier failed write
+    """Fill a model folder in a new hidden folder beside it and move it into place whole: the folder it replaces
+    stays until the new one is complete, and a failed write (a full disk) leaves no half of either."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=PARTIAL_SUFFIX))
     try:
-        partial.mkdir(parents=True)
         write(partial)
         fsync_tree(partial)
     except BaseException as err:
+        full = disk_full(err, partial)  # judged before the removal frees the space
         shutil.rmtree(partial, ignore_errors=True)
-        if disk_full(err, partial):
-            free = shutil.disk_usage(next(p for p in [out, *out.parents] if p.exists())).free
+        if full:
+            free = shutil.disk_usage(out.parent).free
             raise RunDirError(f"no space left on the device while writing {out} ({_mb(free)} free); nothing was "
                               f"written{' and the folder there is unchanged' if out.exists() else ''}") from None
         raise
-    old = out.with_name(out.name + ".old")
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
+    os.chmod(partial, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the model from the rest of a team
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old")) if out.exists() else None
+    if old is not None:
+        out.replace(old)  # onto the empty folder mkdtemp made
     partial.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out
 
 

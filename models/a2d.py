@@ -194,7 +194,7 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int | None
             mask_token: str = "<|mask|>", gguf_file: str | None = None, overwrite: bool = False) -> Path:
     """Write ``out``: the converted checkpoint (config, safetensors, tokenizer) that ``load_model`` and
     ``AutoModelForCausalLM`` read. ``block_size``: sdar only (default 4). ``overwrite``: replace a non-empty ``out``
-    (its files are removed first; refused otherwise)."""
+    (swapped for the new folder once that is whole; refused otherwise)."""
     if to not in TARGETS:
         raise ConversionError(f"--to {to!r}: expected one of {', '.join(TARGETS)}")
     if to == "dream" and block_size is not None:
@@ -203,9 +203,7 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int | None
     block_size = 4 if block_size is None else block_size
     if block_size < 1:
         raise ConversionError(f"--block-size must be at least 1, got {block_size}")
-    if Path(out).resolve() == Path(source).resolve():
-        raise ConversionError(f"--out {out} is the --source folder: write the converted model to another")
-    check_model_out(out, overwrite)
+    check_model_out(out, overwrite, source)
     ar_model, tokenizer = load_ar(source, gguf_file)
     ar = ar_model.config
     mask_id = add_mask_token(tokenizer, mask_token)

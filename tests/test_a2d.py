@@ -158,10 +158,11 @@ def test_bad_input_is_one_line(tmp_path, ar_tokenizer):
     with pytest.raises(ConversionError, match=r"already a diffusion checkpoint \(model_type 'sdar', model_base .*sdar"):
         convert(out, "sdar", tmp_path / "twice")  # transformers does not know the family: said in our words
     (out / "model-00002-of-00002.safetensors").write_text("stale")  # a shard of a larger earlier conversion
-    with pytest.raises(ConversionError, match="is the --source folder"):
+    with pytest.raises(RunDirError, match="is \\(or holds\\) an input of this command"):
         convert(src, "sdar", src, overwrite=True)
     assert convert(src, "sdar", out, block_size=2, overwrite=True) == out
     assert not (out / "model-00002-of-00002.safetensors").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no hidden partial or old folder
     assert json.loads((out / "config.json").read_text())["block_size"] == 2
     import shutil
 

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mask-token", default="<|mask|>", help="the new mask token's text")
     ap.add_argument("--gguf-file", default=None, help="a GGUF file inside --source (read by transformers)")
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace a non-empty --out (its files are removed first; refused otherwise)")
+                    help="replace a non-empty --out (swapped once the new one is whole; refused otherwise)")
     args = ap.parse_args(argv)
 
     def job() -> None:

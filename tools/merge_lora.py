@@ -1,6 +1,6 @@
 """Merge a LoRA adapter into its base model: a whole checkpoint that eval.py and ``load_model`` read.
 
-    python -m tools.merge_lora --base PATH --adapter PATH --out PATH --model-base sdar [--dtype bfloat16]
+    python -m tools.merge_lora --base PATH --adapter PATH --out PATH --model-base sdar [--dtype bfloat16] [--overwrite]
 
 ``--adapter`` is a ``policy/`` folder of a LoRA run (or its ``ckpt/optimized`` link); see models/lora.py.
 """
