@@ -33,10 +33,10 @@ def load_tasks(name: str, data_type: str, seed: int = 0, n_builtin: int | None =
         if kind != data_type:
             raise ValueError(f"dataset {name!r} is a {kind} task but data_type is {data_type!r}")
         return builtin_tasks(name, n_builtin, seed)
-    if Path(name).exists() and not (Path(name).is_file() and name.endswith((".json", ".jsonl"))):
-        raise DataFormatError(f"dataset {name}: RL and eval data is a .json or .jsonl file (or the name of one under "
-                         f"{data_dir}/, without its .json)")
     path = Path(name) if name.endswith((".json", ".jsonl")) else Path(data_dir) / f"{name}.json"
+    if not path.is_file() and Path(name).exists():  # a folder, or a file of another format, given by its path
+        raise DataFormatError(f"dataset {name}: RL and eval data is a .json or .jsonl file (or the name of one "
+                              f"under {data_dir}/, without its .json)")
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} not found; {_missing_dataset_hint(name, Path(data_dir))}")
     return load_dataset_file(path, data_type)
