@@ -113,7 +113,7 @@ def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...],
     same setting), with the value an earlier version wrote for it."""
     import yaml
 
-    from core.loader import defaults_tree
+    from core.loader import all_keys, defaults_tree
     from core.schema import to_dict
 
     saved_path = root / "config.yaml"
@@ -128,10 +128,11 @@ def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...],
         raise RunDirError(f"cannot resume {root}: its config.yaml holds no config; restore it, or start again with "
                           "experiment.overwrite=true")
     saved, now = _flatten(tree), _flatten(to_dict(cfg))
-    foreign = sorted(k for k in saved if k not in now and saved[k] is not None)
-    if foreign:  # a section this job does not have: the folder is another kind of run (an SFT run's, an eval's)
-        raise RunDirError(f"cannot resume {root}: its config.yaml has {foreign[0]!r}, which this job does not: it is "
-                          "another kind of run; choose another experiment.project")
+    settings = set(all_keys(type(cfg)))
+    foreign = sorted(k for k in saved if saved[k] is not None and _unknown_setting(k, settings))
+    if foreign:  # an SFT run's folder under rl.py, say (or a run of a version with other settings)
+        raise RunDirError(f"cannot resume {root}: its config.yaml has {foreign[0]!r}, a setting this job does not "
+                          "know; if it is another kind of run (RL, SFT, eval), choose another experiment.project")
     # a key newer than the run's config.yaml (added by a later version) matches when it keeps its default
     defaults = _flatten(defaults_tree(type(cfg)))
     saved.update({k: defaults[k] for k in now if k not in saved and k in defaults})
@@ -142,6 +143,18 @@ def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...],
         if key not in resumable and saved.get(key) != now.get(key):
             raise RunDirError(f"cannot resume {root}: '{key}' was {saved.get(key)!r} and is now {now.get(key)!r} "
                               f"(only {', '.join(resumable)} may change)")
+
+
+def _unknown_setting(key: str, settings: set[str]) -> bool:
+    """``key`` (flattened) names no setting, nor an entry of a mapping-valued one (``system.env.X``): every prefix
+    of it that is a known key is a section."""
+    parts = key.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return key not in settings and not any(p in settings and not _is_section(p, settings) for p in prefixes)
+
+
+def _is_section(key: str, settings: set[str]) -> bool:
+    return any(k.startswith(key + ".") for k in settings)
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

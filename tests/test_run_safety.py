@@ -680,8 +680,12 @@ def test_a_run_from_before_a_new_config_section_resumes(tmp_path, model, rl):
     tree = yaml.safe_load(saved.read_text())
     saved.write_text(yaml.safe_dump({**tree, "dataset": {**tree["dataset"], "optimization_data": "x.json"}}))
     with pytest.raises(RunDirError, match=f"^cannot resume {tmp_path / 'run'}: its config.yaml has "
-                                          "'dataset.optimization_data', which this job does not: it is another kind"):
+                                          "'dataset.optimization_data', a setting this job does not know; if it is "
+                                          "another kind of run"):
         rl(tmp_path, model, **resume)  # an SFT run's folder
+    saved.write_text(yaml.safe_dump({**tree, "system": {**tree["system"], "env": {"FOO": "1"}}}))
+    with pytest.raises(RunDirError, match="'system.env.FOO' was '1' and is now None"):  # a changed setting, said so
+        rl(tmp_path, model, **resume)
     for text, said in (("experiment: [unclosed", "is unreadable"), ("", "holds no config")):
         saved.write_text(text)
         with pytest.raises(RunDirError, match=f"^cannot resume {tmp_path / 'run'}: its config.yaml {said}"):
