@@ -7,6 +7,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from core.files import DISK_FULL
+
 EXIT_USER_ERROR = 2
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
@@ -34,11 +36,12 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
     raise Terminated()
 
 
-_MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES}  # full disk, quota, read-only, permission
+_MACHINE_ERRNOS = {*DISK_FULL, errno.EROFS, errno.EACCES}  # full disk or quota, read-only, permission
 
 
 def run_job(job: Callable[[], object]) -> int:
-    """Run ``job``; a user error prints ``error: <one line>`` and returns 2, an interrupt prints one line."""
+    """Run ``job``; a user error, or a write the machine refuses (a full disk, a read-only or forbidden path),
+    prints ``error: <one line>`` and returns 2; an interrupt prints one line."""
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         job()
@@ -53,7 +56,8 @@ def run_job(job: Callable[[], object]) -> int:
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
             return EXIT_USER_ERROR
         if isinstance(err, OSError) and err.errno in _MACHINE_ERRNOS:  # the machine's, not the program's
-            print(f"error: {err.strerror}{f': {err.filename}' if err.filename else ''}", file=sys.stderr)
+            where = err.filename2 or err.filename  # a rename's target, else the file
+            print(f"error: {err.strerror}{f': {where}' if where else ''}", file=sys.stderr)
             return EXIT_USER_ERROR
         raise
     finally:

@@ -152,8 +152,10 @@ def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a write or fsync: name the file it was for
+            raise OSError(err.errno, err.strerror, str(out)) from err
         raise
     return out
 

@@ -111,8 +111,10 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:
             for t in trajectories:
                 f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
         tmp.replace(path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)  # a full disk keeps no half file taking the space
+        if isinstance(err, OSError) and err.filename is None:  # a write: name the file it was for
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
 
 

@@ -738,7 +738,7 @@ def test_a_machine_that_refuses_the_write_is_one_line(tmp_path, monkeypatch, cap
     import errno
 
     from core.entry import run_job
-    from core.files import RunLock
+    from core.files import RunLock, write_atomic
 
     def read_only(self, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(self))
@@ -759,12 +759,12 @@ def test_a_machine_that_refuses_the_write_is_one_line(tmp_path, monkeypatch, cap
             RunLock(tmp_path / "run")
     RunLock(tmp_path / "run").release()  # the failed attempt released its descriptor: the lock is free
 
-    def writes_its_config():
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "config.yaml"))
-
-    assert run_job(writes_its_config) == 2
     config = tmp_path / "run" / "config.yaml"
+    with monkeypatch.context() as patch:  # the system's error names no file: write_atomic adds the one it wrote
+        patch.setattr(os, "fsync", full_disk)
+        assert run_job(lambda: write_atomic(config, "experiment: {}\n")) == 2
     assert capsys.readouterr().err.splitlines() == [f"error: No space left on device: {config}"]
+    assert sorted(p.name for p in config.parent.iterdir()) == [".lock"]  # no temp file left
 
     def a_bug():
         raise OSError(errno.EBADF, "Bad file descriptor")
