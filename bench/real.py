@@ -308,8 +308,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "OUT/report.json")
     args = ap.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
-    if args.held_out < 1 or args.sft_steps < 0 or args.rl_steps < 0:
-        ap.error(f"--held-out must be at least 1 (got {args.held_out}); --sft-steps and --rl-steps at least 0")
+    for name, least in (("held_out", 1), ("sft_steps", 0), ("rl_steps", 0)):
+        if getattr(args, name) < least:
+            ap.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
     if unknown := set(args.stages) - set(ALL_STAGES):
         ap.error(f"--stages: unknown {', '.join(sorted(unknown))} (stages: {', '.join(ALL_STAGES)})")
     if args.source is None and not args.report:

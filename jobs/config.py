@@ -444,12 +444,13 @@ class RLConfig(Settings):
 
     def _value_model_setting(self) -> str | None:
         """The first value-model setting changed from its default (it would be ignored without a value model)."""
-        def changed(key: str) -> bool:
+        def changed(key: str) -> bool:  # read past Settings' read log: a check is not the job consuming the key
             *path, name = key.split(".")
             owner = self
             for part in path:
-                owner = getattr(owner, part)
-            return getattr(owner, name) != next(f.default for f in dataclasses.fields(owner) if f.name == name)
+                owner = object.__getattribute__(owner, part)
+            return object.__getattribute__(owner, name) != next(f.default for f in dataclasses.fields(owner)
+                                                                if f.name == name)
 
         return next((key for key in self.VALUE_MODEL_SETTINGS if changed(key)), None)
 

@@ -99,16 +99,16 @@ def evaluate(adapter: Adapter, tasks: list[dict], data_type: str, rollout_cfg: A
                     write_atomic(out_dir / f"trace-{tag}.html",
                                  build_trace_html(list(trajs[:TRACE_SAMPLES]), adapter.tokenizer))
             except OSError as err:
-                raise _unsaved(err, out_dir, results, name) from None
+                if not disk_full(err, out_dir):
+                    raise
+                raise _unsaved(out_dir, results, name) from None
     return results
 
 
-def _unsaved(err: OSError, where: Path, results: list[dict], name: str) -> OSError:
-    """A full disk while writing the results: one line that still gives the scores; any other error as it was."""
-    if not disk_full(err, where):
-        return err
-    scores = ", ".join(f"acc {r['acc']:.3f} ({r['setting']['remasking_strategy']}, block "
-                       f"{r['setting']['block_size'] or '-'})" for r in results)
+def _unsaved(where: Path, results: list[dict], name: str) -> RunDirError:
+    """A full disk while writing the results: one line that still gives the scores."""
+    scores = ", ".join(f"acc {r['acc']:.3f} ({r['setting']['remasking_strategy']}, top_k {r['setting']['top_k']}, "
+                       f"block {r['setting']['block_size'] or '-'})" for r in results)
     return RunDirError(f"no space left on the device while writing {where}; not saved: {scores} on {name}")
 
 
@@ -165,7 +165,9 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
                 write_atomic(run.dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
                 write_atomic(run.dir / "config.yaml", config_text(cfg))
             except OSError as err:
-                raise _unsaved(err, run.dir, results, cfg.dataset.eval_dataset) from None
+                if not disk_full(err, run.dir):
+                    raise
+                raise _unsaved(run.dir, results, cfg.dataset.eval_dataset) from None
     except BaseException as err:
         if run is not None:
             run.abandon(_why(err))

@@ -359,17 +359,20 @@ class RLJob:
         ``rollout.num_task_per_step``."""
         cfg = self.cfg
         name, k = cfg.dataset.train_dataset, cfg.rollout.num_task_per_step
-        limits = {"training.max_prompt_len": cfg.training.max_prompt_len,
-                  "the model's positions": longest_prompt(self.adapter, cfg.rollout)}
-        limits = {what: n for what, n in limits.items() if n is not None}
+        positions, longest = self.adapter.position_limit, longest_prompt(self.adapter, cfg.rollout)
+        if longest is not None and longest < 1:
+            raise RunDirError(f"rollout.max_tokens ({cfg.rollout.max_tokens}) leaves no room for a prompt below the "
+                              f"model's {positions} positions")
+        limits = [(n, said) for n, said in (
+            (cfg.training.max_prompt_len, f"training.max_prompt_len={cfg.training.max_prompt_len}"),
+            (longest, f"the model's positions ({positions}, less the rollout's room: prompts up to {longest} tokens)"))
+            if n is not None]
         rows = range(len(self.tasks))
         if limits:
-            what, limit = min(limits.items(), key=lambda item: item[1])
+            limit, said = min(limits, key=lambda item: item[0])
             lengths = [len(prompt_ids(self.adapter, self.tasks[i], cfg.dataset.data_type, cfg.rollout.start_with_think))
                        for i in rows]
             rows = [i for i in rows if lengths[i] <= limit]
-            said = f"{what}={limit}" if what.startswith("training.") else \
-                f"{what} ({self.adapter.position_limit}, less the rollout's room: prompts up to {limit} tokens)"
             if not rows:
                 raise RunDirError(f"no prompt of {name} fits {said}; the shortest has {min(lengths)} tokens")
             if len(rows) < len(self.tasks) and self.main:

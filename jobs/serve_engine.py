@@ -50,6 +50,7 @@ from core.errors import UserError
 from core.schema import SettingError, replace
 from models.layers import packed_projections
 from sample.engine import Engine, Finished, Sequence
+from sample.full_sampler import FullSampler
 from sample.generate import compute_precision, make_sampler, seeded_generator
 from sample.params import SamplingParams
 
@@ -221,8 +222,7 @@ class ServeEngine:
             raise RequestError(400, str(err)) from None
         if self.adapter.attention == "full" and self.limit is not None:
             # a full-attention group sizes its canvas (whole blocks) by max_tokens: refuse before building one
-            block = params.block_for("full", self.adapter.block_size)
-            canvas = -(-params.max_tokens // block) * block
+            block, canvas = params.block_for("full", None), FullSampler.canvas(params)
             if canvas > self.limit:
                 rounded = f" (whole blocks of {block}: {canvas})" if canvas != params.max_tokens else ""
                 raise RequestError(400, f"max_tokens {params.max_tokens}{rounded} is more than the model's "

@@ -136,7 +136,7 @@ def _hub_rows(name: str) -> list[dict]:
     return [_check_row(r, name, i) for i, r in enumerate(rows)]
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # what chat templates render
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")  # chat templates' roles
 
 
 def _check_row(row: Any, where: str, i: int) -> dict:
@@ -335,10 +335,11 @@ class SFTJob:
         if beyond and self.main:
             print(f"note: {len(beyond)} of {len(kept)} rows are longer than the model's {limit} positions (prompt "
                   f"and response) and are skipped: {beyond[:5]}", flush=True)
-        kept = [s for s in kept if s.sample_id not in set(beyond)]
+        skip = set(beyond)
+        kept = [s for s in kept if s.sample_id not in skip]
         if not kept:
-            raise DataFormatError(f"{d.optimization_data}: no row fits training.max_prompt_len and the model's "
-                                  f"{limit} positions")
+            positions = f" and the model's {limit} positions" if limit is not None else ""
+            raise DataFormatError(f"{d.optimization_data}: no row fits training.max_prompt_len{positions}")
         return kept
 
     def batch(self, step: int) -> list[Trajectory]:

@@ -176,14 +176,14 @@ _MARK = "\ue000"  # a private-use character marking where message contents go in
 
 def _family_hint(model_type: Any, raw: dict) -> str:
     """What to do with a checkpoint of another model_type: the family that reads it, or A2D for an AR model."""
-    from models.a2d import SOURCES  # torch-free constants (the converter itself loads lazily)
+    from models.a2d import SOURCES  # the architectures A2D converts
 
     if model_type in SOURCES:
         return (f": an autoregressive {model_type} checkpoint; convert it first (python -m tools.a2d --source ... "
                 "--to sdar|dream)")
     if model_type == "llada" and is_llada_moe(raw):
         return "; this checkpoint loads with model.model_base=llada_moe"
-    bases = [base for base, spec in FAMILIES.items() if model_type in spec.model_types]
+    bases = [base for base, spec in FAMILIES.items() if model_type in spec.model_types and base != "llada_moe"]
     return f"; this checkpoint loads with model.model_base={' or '.join(bases)}" if bases else ""
 
 

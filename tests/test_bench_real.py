@@ -108,10 +108,12 @@ def test_every_stage_runs_on_a_tiny_llama_and_the_report_holds_them(tmp_path, de
 def test_bad_arguments_and_reports_are_one_line(tmp_path, capsys):
     from bench.real import main
 
-    for bad in (["--held-out", "0"], ["--held-out", "-3"], ["--rl-steps", "-1"]):
+    for bad, said in ((["--held-out", "0"], "--held-out must be at least 1, got 0"),
+                      (["--held-out", "-3"], "--held-out must be at least 1, got -3"),
+                      (["--rl-steps", "-1"], "--rl-steps must be at least 0, got -1")):
         with pytest.raises(SystemExit, match="2"):
             main(["--source", str(tmp_path), "--out", str(tmp_path), *bad])
-        assert "--held-out must be at least 1" in capsys.readouterr().err
+        assert capsys.readouterr().err.strip().endswith(said)
     assert main(["--report", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'report.json'}: no report yet (run the stages "
                                                f"first: python -m bench.real --out {tmp_path})")

@@ -75,7 +75,8 @@ def test_a_full_disk_while_writing_an_eval_is_one_line_with_its_scores(tmp_path,
     err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error:")]
     assert rc == 2 and len(err) == 1
     assert re.fullmatch(rf"error: no space left on the device while writing {re.escape(str(out))}/eval_demo\.partial; "
-                        r"not saved: acc \d\.\d{3} \(low_confidence_dynamic, block 4\) on builtin:arithmetic", err[0])
+                        r"not saved: acc \d\.\d{3} \(low_confidence_dynamic, top_k 0, block 4\) on "
+                        r"builtin:arithmetic", err[0])
     assert sorted(p.name for p in (out / "eval_demo.partial").iterdir()) == [".lock", "INTERRUPTED"]
 
 

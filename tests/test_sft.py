@@ -432,7 +432,7 @@ def test_a_datasets_folder_gives_the_same_samples_as_its_jsonl(tiny, tmp_path):
     ({"messages": [{"role": "assistant", "content": "Hello"}]}, "needs a message before it to answer"),
     ({"messages": [{"role": 1, "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}, "string roles"),
     ({"messages": [{"role": "robot", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
-     "unknown role 'robot' (roles: system, developer, user, assistant, tool)"),
+     "unknown role 'robot' (roles: system, developer, user, assistant, tool, ipython, function)"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " \n"}]},
      "the assistant's message is empty"),
     ({"prompt": "Hi", "response": "  \n\t"}, "field 'response': expected a non-empty string"),
