@@ -672,5 +672,6 @@ def job_kind(path: str | os.PathLike[str]) -> str:
         return "sft"
     if stem.startswith("serve_") or stem.endswith("_serve"):
         return "serve"
-    raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, *_eval, eval_*, sft_*, serve_*, "
-                      "*_serve); name it (python -m tools.check_config --kind rl|eval|sft|serve)", source=str(path))
+    raise ConfigError(f"{path}: cannot infer the kind from the name (rl_*, multinode_rl_*, *_eval, eval_*, "
+                      "multinode_eval_*, sft_*, serve_*, *_serve); name it (python -m tools.check_config --kind "
+                      "rl|eval|sft|serve)", source=str(path))

@@ -3,7 +3,8 @@
     python -m tools.check_config configs/*.yaml
     python -m tools.check_config --kind rl my_experiment.yaml
 
-The job kind comes from the file name (rl_*, *_eval, eval_*, sft_*, serve_*, *_serve) unless ``--kind`` names it.
+The job kind comes from the file name (rl_*, multinode_rl_*, *_eval, eval_*, multinode_eval_*, sft_*, serve_*,
+*_serve) unless ``--kind`` names it.
 Prints ``ok`` or the one-line error per file; the exit status is 1 if any file failed, 2 on bad arguments.
 """
 
