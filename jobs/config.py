@@ -615,6 +615,18 @@ def load_config(argv: Sequence[str], kind: str, stream: Any = None) -> Any:
                           err.key, err.source) from None
 
 
+# train/sft_<family>.py and the model_base values each script trains
+FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado", "sdar_moe"), "dream": ("dream",),
+                "llada": ("llada", "llada_moe"), "mmada": ("mmada", "llada"), "llada2": ("llada2",)}
+
+
+def script_family(model_base: str) -> str:
+    """The ``train/sft_<family>.py`` script that trains ``model_base``: its own, else the first that accepts it
+    (LLaDA-MoE's is sft_llada.py)."""
+    return model_base if model_base in FAMILY_BASES else next(f for f, bases in FAMILY_BASES.items()
+                                                              if model_base in bases)
+
+
 ARTICLES = {"rl": "an RL", "eval": "an eval", "sft": "an SFT", "serve": "a serve"}
 
 
@@ -622,8 +634,6 @@ def _entry(kind: str, cfg: Any, argv: Sequence[str]) -> str:
     """``ARTICLES[kind]`` config and the command that runs it, e.g. "an RL config: python rl.py config=x.yaml"."""
     config = next((a.split("=", 1)[1] for a in argv if a.startswith("config=")), "...")
     if kind == "sft":
-        from jobs.sft_entry import script_family  # the family's own script (jobs.sft_entry imports this module)
-
         script = f"train/sft_{script_family(cfg.model.model_base)}.py"
     else:
         script = {"rl": "rl.py", "eval": "eval.py", "serve": "serve.py"}[kind]

@@ -7,17 +7,7 @@ import sys
 from core.entry import run_job
 from core.loader import ConfigError
 from jobs.cluster import check_single_node, relaunch_if_requested
-from jobs.config import load_config_or_exit
-
-FAMILY_BASES = {"trado": ("trado",), "sdar": ("sdar", "trado", "sdar_moe"), "dream": ("dream",),
-                "llada": ("llada", "llada_moe"), "mmada": ("mmada", "llada"), "llada2": ("llada2",)}
-
-
-def script_family(model_base: str) -> str:
-    """The ``train/sft_<family>.py`` script that trains ``model_base``: its own, else the first that accepts it
-    (LLaDA-MoE's is sft_llada.py)."""
-    return model_base if model_base in FAMILY_BASES else next(f for f, bases in FAMILY_BASES.items()
-                                                              if model_base in bases)
+from jobs.config import FAMILY_BASES, load_config_or_exit, script_family
 
 
 def main(family: str, argv: list[str] | None = None) -> int:

@@ -31,8 +31,8 @@ import torch
 
 from core.errors import UserError
 from core.files import check_model_out, write_model_folder
+from models.registry import A2D_SOURCES, FAMILIES, family_spec
 
-SOURCES = ("llama", "qwen2", "qwen3")
 TARGETS = ("dream", "sdar")
 
 
@@ -82,8 +82,6 @@ def _refuse_diffusion_source(source: Path) -> None:
     """One line for a source that is already one of our diffusion families (transformers knows none of them)."""
     import json
 
-    from models.registry import FAMILIES
-
     try:
         model_type = json.loads((source / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -98,9 +96,9 @@ def _refuse_diffusion_source(source: Path) -> None:
 def check_source(config: Any) -> None:
     """One line for an architecture or option the diffusion families cannot reproduce exactly."""
     kind = getattr(config, "model_type", None)
-    if kind not in SOURCES:
+    if kind not in A2D_SOURCES:
         raise ConversionError(f"unsupported architecture {kind!r} ({getattr(config, 'architectures', None)}); "
-                              f"A2D converts {', '.join(SOURCES)} causal LMs")
+                              f"A2D converts {', '.join(A2D_SOURCES)} causal LMs")
     rope = getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type not in (None, "default"):
@@ -212,8 +210,6 @@ def convert(source: str | Path, to: str, out: str | Path, block_size: int | None
     config.a2d = {"source": str(source), "gguf_file": gguf_file, "source_model_type": ar.model_type, "target": to,
                   "mask_token": mask_token, "mask_row_init": "mean of the embedding rows of the tokens before it",
                   "shifted_logits": to == "dream", "block_size": block_size if to == "sdar" else None}
-    from models.registry import family_spec
-
     model = family_spec(to).model_class(config)
     state = converted_state(ar_model, vocab, config, mask_id)
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}

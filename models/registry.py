@@ -52,6 +52,7 @@ _QWEN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 _LLADA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 _LLADA2_TARGETS = ("query_key_value", "dense", "gate_proj", "up_proj", "down_proj")
 _EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")  # models/moe.py FusedExperts
+A2D_SOURCES = ("llama", "qwen2", "qwen3")  # autoregressive architectures models/a2d.py converts
 
 FAMILIES: dict[str, FamilySpec] = {
     "trado": FamilySpec("sdar", ("sdar",), SDARForCausalLM, ATTENTION_OF["trado"], False, "<|im_end|>", SDARModel,
@@ -176,9 +177,7 @@ _MARK = "\ue000"  # a private-use character marking where message contents go in
 
 def _family_hint(model_type: Any, raw: dict) -> str:
     """What to do with a checkpoint of another model_type: the family that reads it, or A2D for an AR model."""
-    from models.a2d import SOURCES  # the architectures A2D converts
-
-    if model_type in SOURCES:
+    if model_type in A2D_SOURCES:
         return (f": an autoregressive {model_type} checkpoint; convert it first (python -m tools.a2d --source ... "
                 "--to sdar|dream)")
     if model_type == "llada" and is_llada_moe(raw):

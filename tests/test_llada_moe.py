@@ -167,7 +167,7 @@ def test_adapter_stops_at_the_turn_end_of_the_ling_template(demo_tokenizer):
 
 
 def test_the_sft_script_of_each_model_base_exists():
-    from jobs.sft_entry import FAMILY_BASES, script_family
+    from jobs.config import FAMILY_BASES, script_family
 
     root = Path(__file__).resolve().parents[1]
     assert script_family("llada_moe") == "llada" and script_family("sdar_moe") == "sdar"
