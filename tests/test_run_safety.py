@@ -307,11 +307,15 @@ def test_an_interrupted_run_says_where_a_resume_continues_from(tmp_path):
     job = object.__new__(RLJob)
     job.root, job.run = tmp_path, RunDir(tmp_path)
     job.cfg = SimpleNamespace(experiment=SimpleNamespace(save_every=3))
+
+    def log_steps(*steps):
+        for i in steps:
+            (tmp_path / f"step_{i}").mkdir()
+            (tmp_path / f"step_{i}" / "metrics.json").write_text("{}")
+
     assert job.interrupted_detail() == (f"no step completed in {tmp_path}; start it again with "
                                         "experiment.start_from_scratch=false")
-    for i in (1, 2):
-        (tmp_path / f"step_{i}").mkdir()
-        (tmp_path / f"step_{i}" / "metrics.json").write_text("{}")
+    log_steps(1, 2)
     assert job.interrupted_detail() == (f"steps up to 2 are logged in {tmp_path} but none is checkpointed "
                                         "(experiment.save_every=3): a resume starts again from step 1; continue "
                                         "with experiment.start_from_scratch=false")
@@ -319,9 +323,7 @@ def test_an_interrupted_run_says_where_a_resume_continues_from(tmp_path):
     (tmp_path / "step_2" / "ckpt" / "DONE").write_text("")
     assert job.interrupted_detail() == (f"the last checkpoint in {tmp_path} is step 2; continue with "
                                         "experiment.start_from_scratch=false")
-    for i in (3, 4):
-        (tmp_path / f"step_{i}").mkdir()
-        (tmp_path / f"step_{i}" / "metrics.json").write_text("{}")
+    log_steps(3, 4)
     assert job.interrupted_detail() == (f"the last checkpoint in {tmp_path} is step 2; steps 3..4 are run again; "
                                         "continue with experiment.start_from_scratch=false")
 
