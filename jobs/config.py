@@ -469,9 +469,6 @@ class RLConfig(Settings):
         t = self.training
         if self.model.value_base_model and value_model_refusal(self.training.method):
             raise SettingError("training.method", value_model_refusal(self.training.method))
-        if not self.model.value_base_model and (key := self._value_model_setting()):
-            raise SettingError(key, "a value-model setting, and this run has no value model: set "
-                               "model.value_base_model (TraceRL with a value model) or remove the key")
         refuse_ignored_settings(t, t.method)
         if self.reward.advantage is None:
             self.reward.advantage = default_advantage(self.training.method)
@@ -484,6 +481,9 @@ class RLConfig(Settings):
             if self.dataset.data_type != "math":
                 raise SettingError("model.process_reward_model", "the process reward grades math solutions; "
                                    f"dataset.data_type is {self.dataset.data_type!r}")
+        if not self.model.value_base_model and (key := self._value_model_setting()):
+            raise SettingError(key, "a value-model setting, and this run has no value model: set "
+                               "model.value_base_model (TraceRL with a value model) or remove the key")
 
 
 @dataclass

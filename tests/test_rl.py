@@ -261,7 +261,8 @@ def test_the_schedules_count_training_rl_steps_whatever_the_filters_drop(tmp_pat
     from jobs.rl import RLJob
 
     cfg = load_config(demo_args(tmp_path, tmp_path / "m", **{
-        "experiment.total_step": 10, "experiment.train_value_every": 3, "training.samples_per_step": 4,
+        "experiment.total_step": 10, "experiment.train_value_every": 3, "model.value_base_model": tmp_path / "m",
+        "training.samples_per_step": 4,
         "rollout.num_task_per_step": 4, "rollout.num_response_per_task": 4}), "rl")
     job = SimpleNamespace(cfg=cfg, acc=SimpleNamespace(num_processes=2))
     assert RLJob._schedule_steps(job) == 10
