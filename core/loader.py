@@ -176,13 +176,14 @@ def _normalise_reference_form(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 @functools.cache
-def all_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
-    """Every dotted key of a schema, sections included."""
+def all_keys(cls: type, prefix: str = "", sections: bool = True) -> tuple[str, ...]:
+    """Every dotted key of a schema; ``sections`` False: the settings only (``key=value`` targets)."""
     keys: list[str] = []
     for name, (tp, _) in config_fields(cls).items():
-        keys.append(prefix + name)
+        if sections or not _is_section(tp):
+            keys.append(prefix + name)
         if _is_section(tp):
-            keys.extend(all_keys(tp, f"{prefix}{name}."))
+            keys.extend(all_keys(tp, f"{prefix}{name}.", sections))
     return tuple(keys)
 
 
@@ -195,8 +196,7 @@ def closest_key(key: str, root: type) -> str:
     section (``training.lerning_rate`` means ``optimizer.params.learning_rate``, not the sibling
     ``training.lower_p``); else the best overall. Sections themselves are not suggested (not a ``key=value``)."""
     parent, _, leaf = key.rpartition(".")
-    keys = all_keys(root)
-    settings = [k for k in keys if not any(other.startswith(k + ".") for other in keys)]
+    settings = all_keys(root, sections=False)
 
     def ratio(k: str) -> float:
         return difflib.SequenceMatcher(None, leaf, k.rpartition(".")[2]).ratio()

@@ -128,7 +128,7 @@ def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...],
         raise RunDirError(f"cannot resume {root}: its config.yaml holds no config; restore it, or start again with "
                           "experiment.overwrite=true")
     saved, now = _flatten(tree), _flatten(to_dict(cfg))
-    settings = set(all_keys(type(cfg)))
+    settings = set(all_keys(type(cfg), sections=False))
     foreign = sorted(k for k in saved if saved[k] is not None and _unknown_setting(k, settings))
     if foreign:  # an SFT run's folder under rl.py, say (or a run of a version with other settings)
         raise RunDirError(f"cannot resume {root}: its config.yaml has {foreign[0]!r}, a setting this job does not "
@@ -146,15 +146,9 @@ def check_resumed_config(root: Path, cfg: Any, resumable: tuple[str, ...],
 
 
 def _unknown_setting(key: str, settings: set[str]) -> bool:
-    """``key`` (flattened) names no setting, nor an entry of a mapping-valued one (``system.env.X``): every prefix
-    of it that is a known key is a section."""
+    """``key`` (flattened) names no setting, nor an entry of a mapping-valued one (``system.env.X``)."""
     parts = key.split(".")
-    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return key not in settings and not any(p in settings and not _is_section(p, settings) for p in prefixes)
-
-
-def _is_section(key: str, settings: set[str]) -> bool:
-    return any(k.startswith(key + ".") for k in settings)
+    return not any(".".join(parts[:i]) in settings for i in range(1, len(parts) + 1))
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -31,7 +31,7 @@ import torch
 
 from core.errors import UserError
 from core.files import check_model_out, write_model_folder
-from models.registry import A2D_SOURCES, FAMILIES, family_spec
+from models.registry import A2D_SOURCES, family_spec, model_bases
 
 TARGETS = ("dream", "sdar")
 
@@ -86,7 +86,7 @@ def _refuse_diffusion_source(source: Path) -> None:
         model_type = json.loads((source / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         return  # no readable config.json (a GGUF folder): transformers reads what there is
-    bases = [base for base, spec in FAMILIES.items() if model_type in spec.model_types]
+    bases = model_bases(model_type)
     if bases:
         raise ConversionError(f"--source {source}: already a diffusion checkpoint (model_type {model_type!r}, "
                               f"model_base {' / '.join(bases)}); a2d converts autoregressive Llama / Qwen2 / "

@@ -182,8 +182,13 @@ def _family_hint(model_type: Any, raw: dict) -> str:
                 "--to sdar|dream)")
     if model_type == "llada" and is_llada_moe(raw):
         return "; this checkpoint loads with model.model_base=llada_moe"
-    bases = [base for base, spec in FAMILIES.items() if model_type in spec.model_types and base != "llada_moe"]
+    bases = [base for base in model_bases(model_type) if base != "llada_moe"]
     return f"; this checkpoint loads with model.model_base={' or '.join(bases)}" if bases else ""
+
+
+def model_bases(model_type: Any) -> list[str]:
+    """The model_base values whose families read a checkpoint of ``model_type``."""
+    return [base for base, spec in FAMILIES.items() if model_type in spec.model_types]
 
 
 def family_spec(model_base: str) -> FamilySpec:
