@@ -152,6 +152,13 @@ class Settings:
                 object.__setattr__(self, name, os.path.expanduser(value))
         check_fields(self)
 
+    def changed(self, name: str) -> bool:
+        """Whether field ``name`` differs from its default; not recorded as a read (a check that a setting was left
+        alone is not the job consuming it)."""
+        field = next(f for f in dataclasses.fields(self) if f.name == name)
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        return object.__getattribute__(self, name) != default
+
     def __getattribute__(self, name: str) -> Any:
         if _READS is not None and not name.startswith("_"):
             cls = type(self)

@@ -444,13 +444,12 @@ class RLConfig(Settings):
 
     def _value_model_setting(self) -> str | None:
         """The first value-model setting changed from its default (it would be ignored without a value model)."""
-        def changed(key: str) -> bool:  # read past Settings' read log: a check is not the job consuming the key
+        def changed(key: str) -> bool:
             *path, name = key.split(".")
             owner = self
             for part in path:
                 owner = object.__getattribute__(owner, part)
-            return object.__getattribute__(owner, name) != next(f.default for f in dataclasses.fields(owner)
-                                                                if f.name == name)
+            return owner.changed(name)
 
         return next((key for key in self.VALUE_MODEL_SETTINGS if changed(key)), None)
 
@@ -546,8 +545,8 @@ class SFTConfig(Settings):
 def refuse_ignored_settings(t: Any, method: str, shown: str = "", readers: dict[str, str] | None = None) -> None:
     """Refuse a ``training`` loss key set away from its default that ``method``'s loss never reads; note the view
     keys its rows never read (naming the ``readers`` that do, unread_view_notes)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(t)}
-    changed = {k: getattr(t, k) for k in CHECKED_KEYS if k in defaults and getattr(t, k) != defaults[k]}
+    names = {f.name for f in dataclasses.fields(t)}
+    changed = {k: getattr(t, k) for k in CHECKED_KEYS if k in names and t.changed(k)}
     key, refusal = ignored_setting_refusal(method, changed)
     if refusal:
         raise SettingError(f"training.{key}", refusal)

@@ -135,7 +135,7 @@ class SamplingParams(Settings):
             if self.editing_threshold is not None:
                 raise SettingError("editing_threshold", "token editing (editing_threshold) is for block models "
                                                         "(LLaDA2.1); full-attention samplers do not edit")
-            if self.denoising_steps != self.__dataclass_fields__["denoising_steps"].default:
+            if self.changed("denoising_steps"):
                 raise SettingError("denoising_steps", "denoising_steps counts the steps of each block of a block "
                                                       "model; full-attention models take steps (over the whole "
                                                       "answer; unset: one token per step)")
@@ -153,13 +153,12 @@ class SamplingParams(Settings):
     def _check_no_ignored_setting(self) -> None:
         """Refuse a setting the chosen sampler would ignore (each named set only where it differs from its
         default: the defaults are what the sampler does anyway)."""
-        defaults = {name: f.default for name, f in self.__dataclass_fields__.items()}
-        if self.editing_threshold is None and self.max_post_steps != defaults["max_post_steps"]:
+        if self.editing_threshold is None and self.changed("max_post_steps"):
             raise SettingError("max_post_steps", "max_post_steps bounds token editing's extra forwards: it needs "
                                                  "editing_threshold")
         if self.remasking_strategy in ("sequential", "entropy_bounded"):
             for name in ("alg_temp", "target", "pad_target_penalty"):
-                if getattr(self, name) != defaults[name]:
+                if self.changed(name):
                     raise SettingError(name, f"{name} shapes the confidence-ranked choice of positions; "
                                              f"remasking_strategy {self.remasking_strategy!r} does not rank by it")
 
