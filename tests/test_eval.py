@@ -59,10 +59,11 @@ def test_a_full_disk_while_writing_an_eval_is_one_line_with_its_scores(tmp_path,
 
     real_dumps, written = sample.trajectory.json.dumps, []
 
-    def dumps_until_the_disk_is_full(obj, **kwargs):
-        if len(written) == 5:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        written.append(obj)
+    def dumps_until_the_disk_is_full(obj, **kwargs):  # json.dumps is the json module's: count trajectory rows only
+        if isinstance(obj, dict) and "response_ids" in obj:
+            if len(written) == 5:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            written.append(obj)
         return real_dumps(obj, **kwargs)
 
     monkeypatch.setattr(sample.trajectory.json, "dumps", dumps_until_the_disk_is_full)
@@ -77,6 +78,7 @@ def test_a_full_disk_while_writing_an_eval_is_one_line_with_its_scores(tmp_path,
     assert re.fullmatch(rf"error: no space left on the device while writing {re.escape(str(out))}/eval_demo\.partial; "
                         r"not saved: acc \d\.\d{3} \(low_confidence_dynamic, top_k 0, block 4\) on "
                         r"builtin:arithmetic", err[0])
+    assert len(written) == 5  # the disk filled while the trajectories were written
     assert sorted(p.name for p in (out / "eval_demo.partial").iterdir()) == [".lock", "INTERRUPTED"]
 
 
