@@ -99,10 +99,13 @@ def test_sft_loss_equals_a_direct_computation_from_full_logits(tiny, method):
     cfg = SFTTrainingConfig(method=method, layout="per_round", samples_per_step=None, seed=1)
     trainer = SFTTrainer(adapter, cfg, OptimizerParams(), accelerator=build_accelerator())
     batch = build_view(samples, {"a": 1.0, "b": 1.0}, trainer.cfg, trainer.traits)
+    labels = [sorted(batch.labels[batch.sample_index == i].tolist()) for i in range(2)]
     if method == "trace":  # rounds of the step map: block [20..23] at positions 4..7 has steps 1,2,3 -> 3 rounds
         assert batch.num_tokens == 9 and sorted(batch.steps[batch.sample_index == 0].tolist()) == [1, 2, 3, 3, 4, 5]
+        assert labels == [[20, 21, 22, 23, 24, 25], [40, 41, 42]]  # every response token trained once, its own
     else:  # random masking: every trained token is masked in its row's copy
         assert 0 < batch.num_tokens <= 9
+        assert set(labels[0]) <= {20, 21, 22, 23, 24, 25} and set(labels[1]) <= {40, 41, 42}
     with torch.no_grad():
         got = trainer.loss(batch, trainer.forward_logprobs(trainer.model, batch)).loss
         logits = adapter.forward(batch.input_ids, batch.position_ids, batch.layout).float()
