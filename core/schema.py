@@ -155,7 +155,7 @@ class Settings:
     def changed(self, name: str) -> bool:
         """Whether field ``name`` differs from its default; not recorded as a read (a check that a setting was left
         alone is not the job consuming it)."""
-        field = next(f for f in dataclasses.fields(self) if f.name == name)
+        field = self.__dataclass_fields__[name]
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
         return object.__getattribute__(self, name) != default
 

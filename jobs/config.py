@@ -546,7 +546,7 @@ def refuse_ignored_settings(t: Any, method: str, shown: str = "", readers: dict[
     """Refuse a ``training`` loss key set away from its default that ``method``'s loss never reads; note the view
     keys its rows never read (naming the ``readers`` that do, unread_view_notes)."""
     names = {f.name for f in dataclasses.fields(t)}
-    changed = {k: getattr(t, k) for k in CHECKED_KEYS if k in names and t.changed(k)}
+    changed = {k: object.__getattribute__(t, k) for k in CHECKED_KEYS if k in names and t.changed(k)}
     key, refusal = ignored_setting_refusal(method, changed)
     if refusal:
         raise SettingError(f"training.{key}", refusal)

@@ -497,17 +497,16 @@ def serve_until_closed(engine: ServeEngine, app: FastAPI, sock: socket.socket | 
             engine.close()
 
 
-def check_prompt_limit(max_prompt_tokens: int | None, adapter: Any, defaults: Any) -> None:
-    """Refuse a ``server.max_prompt_tokens`` above the longest prompt the model's positions leave room for (every
-    request between the two would get a 400 that names the positions, not the server's limit)."""
+def check_prompt_limit(max_prompt_tokens: int | None, position_limit: int | None) -> None:
+    """Refuse a ``server.max_prompt_tokens`` that no request could use: a prompt filling the model's positions leaves
+    no room for a generated token. (Below that, how long a prompt fits depends on each request's block size and
+    max_tokens; the request gets its own 400.)"""
     from core.loader import ConfigError
-    from sample.generate import longest_prompt
 
-    longest = longest_prompt(adapter, defaults)
-    if max_prompt_tokens is not None and longest is not None and max_prompt_tokens > longest:
-        raise ConfigError(f"key 'server.max_prompt_tokens': {max_prompt_tokens} is more than the {longest} prompt "
-                          f"tokens the model's {adapter.position_limit} positions leave room for (with the "
-                          f"rollout's settings); lower it or leave it null", "server.max_prompt_tokens")
+    if max_prompt_tokens is not None and position_limit is not None and max_prompt_tokens >= position_limit:
+        raise ConfigError(f"key 'server.max_prompt_tokens': {max_prompt_tokens} leaves no room for a generated token "
+                          f"below the model's {position_limit} positions; lower it or leave it null",
+                          "server.max_prompt_tokens")
 
 
 def run_serve(cfg: Any) -> None:
@@ -522,7 +521,7 @@ def run_serve(cfg: Any) -> None:
     ensure_demo_model(cfg.model)
     adapter = load_model(cfg.model, device=default_device())
     check_for_model("rollout", cfg.rollout, adapter)
-    check_prompt_limit(cfg.server.max_prompt_tokens, adapter, cfg.rollout)
+    check_prompt_limit(cfg.server.max_prompt_tokens, adapter.position_limit)
     name = cfg.server.model_name or _folder_name(cfg.model.pretrained_model)
     engine = ServeEngine(adapter, cfg.rollout, cfg.server.max_batch, cfg.server.max_queue,
                          cfg.server.max_prompt_tokens, driver_thread=False)

@@ -100,6 +100,9 @@ def test_sft_loss_equals_a_direct_computation_from_full_logits(tiny, method):
     trainer = SFTTrainer(adapter, cfg, OptimizerParams(), accelerator=build_accelerator())
     batch = build_view(samples, {"a": 1.0, "b": 1.0}, trainer.cfg, trainer.traits)
     labels = [sorted(batch.labels[batch.sample_index == i].tolist()) for i in range(2)]
+    sequences = [[5, 6, 7, 8, 9, 20, 21, 22, 23, 24, 25], [30, 31, 40, 41, 42]]
+    positions = batch.position_ids[batch.rows, batch.token_cols]  # each trained token's place in its sequence
+    assert batch.labels.tolist() == [sequences[s][p] for s, p in zip(batch.sample_index.tolist(), positions.tolist())]
     if method == "trace":  # rounds of the step map: block [20..23] at positions 4..7 has steps 1,2,3 -> 3 rounds
         assert batch.num_tokens == 9 and sorted(batch.steps[batch.sample_index == 0].tolist()) == [1, 2, 3, 3, 4, 5]
         assert labels == [[20, 21, 22, 23, 24, 25], [40, 41, 42]]  # every response token trained once, its own
