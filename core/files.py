@@ -7,7 +7,7 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from core.errors import UserError
@@ -145,19 +145,27 @@ def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
+    with replacing(Path(tmp), out):
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(text.encode("utf-8") if isinstance(text, str) else text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)
+    return out
+
+
+@contextlib.contextmanager
+def replacing(tmp: Path, out: Path) -> Iterator[None]:
+    """Around writing ``tmp`` and renaming it to ``out``: any failure removes ``tmp`` (a full disk keeps no half file
+    taking the space), and an OSError without a file name (a write, an fsync) is raised again naming ``out``."""
+    try:
+        yield
     except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename is None:  # a write or fsync: name the file it was for
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:
             raise OSError(err.errno, err.strerror, str(out)) from err
         raise
-    return out
 
 
 def _umask() -> int:

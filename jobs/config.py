@@ -16,7 +16,6 @@ evaluation, wandb, system) live here. Reading, renamed reference keys and errors
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import io
 import os
@@ -545,8 +544,7 @@ class SFTConfig(Settings):
 def refuse_ignored_settings(t: Any, method: str, shown: str = "", readers: dict[str, str] | None = None) -> None:
     """Refuse a ``training`` loss key set away from its default that ``method``'s loss never reads; note the view
     keys its rows never read (naming the ``readers`` that do, unread_view_notes)."""
-    names = {f.name for f in dataclasses.fields(t)}
-    changed = {k: object.__getattribute__(t, k) for k in CHECKED_KEYS if k in names and t.changed(k)}
+    changed = {k: object.__getattribute__(t, k) for k in CHECKED_KEYS if k in t.__dataclass_fields__ and t.changed(k)}
     key, refusal = ignored_setting_refusal(method, changed)
     if refusal:
         raise SettingError(f"training.{key}", refusal)

@@ -4,9 +4,11 @@ pass@k and lengths, write trajectories and a trace page. Used by eval.py and by 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,23 +95,26 @@ def evaluate(adapter: Adapter, tasks: list[dict], data_type: str, rollout_cfg: A
             metrics[f"pass@{kk}"] = sum(pass_at_k(k, c, kk) for c in correct) / max(len(tasks), 1)
         results.append(metrics)
         if out_dir is not None and is_main(accelerator):
-            try:
+            with scores_kept_on_full_disk(out_dir, results, name):
                 write_jsonl(trajs, out_dir / f"trajectories-{tag}.jsonl")  # whole records (step maps included)
                 if rollout_cfg.output_unmasking_history:
                     write_atomic(out_dir / f"trace-{tag}.html",
                                  build_trace_html(list(trajs[:TRACE_SAMPLES]), adapter.tokenizer))
-            except OSError as err:
-                if not disk_full(err, out_dir):
-                    raise
-                raise _unsaved(out_dir, results, name) from None
     return results
 
 
-def _unsaved(where: Path, results: list[dict], name: str) -> RunDirError:
-    """A full disk while writing the results: one line that still gives the scores."""
-    scores = ", ".join(f"acc {r['acc']:.3f} ({r['setting']['remasking_strategy']}, top_k {r['setting']['top_k']}, "
-                       f"block {r['setting']['block_size'] or '-'})" for r in results)
-    return RunDirError(f"no space left on the device while writing {where}; not saved: {scores} on {name}")
+@contextlib.contextmanager
+def scores_kept_on_full_disk(where: Path, results: list[dict], name: str) -> Iterator[None]:
+    """Around writing results to ``where``: a full disk is one line that still gives the scores."""
+    try:
+        yield
+    except OSError as err:
+        if not disk_full(err, where):
+            raise
+        scores = ", ".join(f"acc {r['acc']:.3f} ({r['setting']['remasking_strategy']}, top_k "
+                           f"{r['setting']['top_k']}, block {r['setting']['block_size'] or '-'})" for r in results)
+        raise RunDirError(f"no space left on the device while writing {where}; not saved: {scores} on "
+                          f"{name}") from None
 
 
 def summary_table(results: list[dict]) -> str:
@@ -161,13 +166,9 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
         for r in results:
             r["model"] = cfg.model.pretrained_model
         if run is not None:
-            try:
+            with scores_kept_on_full_disk(run.dir, results, cfg.dataset.eval_dataset):
                 write_atomic(run.dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
                 write_atomic(run.dir / "config.yaml", config_text(cfg))
-            except OSError as err:
-                if not disk_full(err, run.dir):
-                    raise
-                raise _unsaved(run.dir, results, cfg.dataset.eval_dataset) from None
     except BaseException as err:
         if run is not None:
             run.abandon(_why(err))

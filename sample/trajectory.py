@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from core.files import replacing
+
 FINISH_REASONS = ("eos", "stop", "length")
 
 
@@ -106,16 +108,11 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
+    with replacing(tmp, path):
         with tmp.open("w", encoding="utf-8") as f:
             for t in trajectories:
                 f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
         tmp.replace(path)
-    except BaseException as err:
-        tmp.unlink(missing_ok=True)  # a full disk keeps no half file taking the space
-        if isinstance(err, OSError) and err.filename is None:  # a write: name the file it was for
-            raise OSError(err.errno, err.strerror, str(path)) from err
-        raise
 
 
 def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
