@@ -15,12 +15,17 @@ from sample.generate import Rollout, RolloutStats
 from sample.trajectory import Trajectory, read_jsonl
 
 
-def test_eval_demo_runs_end_to_end(tmp_path, capsys, demo_tokenizer):
+def test_eval_demo_runs_end_to_end(tmp_path, capsys, demo_tokenizer, monkeypatch):
+    """The demo eval end to end; one response (task 0's second) is given its task's answer: the score lands on that
+    sample only, and the metrics count it once (a random model answers nothing else)."""
+    from tests.test_rl import answer_one_right
+
+    answered = answer_one_right(monkeypatch, lambda row: f"\\boxed{{{row['ground_truth_answer']}}}", rollout_size=128)
     out = tmp_path / "runs"
     save_tiny_checkpoint(tmp_path / "tiny", "sdar", demo_tokenizer, size="demo")
     rc = eval_entry.main(["config=configs/demo/eval_demo.yaml", f"experiment.output_dir={out}",
                           f"model.pretrained_model={tmp_path / 'tiny'}", "rollout.max_token=8",
-                          "rollout.num_response_per_task=2", "experiment.seed=1"])
+                          "rollout.num_response_per_task=2", "rollout.pass_k=[1,2]", "experiment.seed=1"])
     assert rc == 0
     run = out / "eval_demo"
     metrics = json.loads((run / "results.jsonl").read_text().splitlines()[-1])
@@ -35,7 +40,11 @@ def test_eval_demo_runs_end_to_end(tmp_path, capsys, demo_tokenizer):
             blocks.setdefault((len(t.prompt_ids) + i) // 4, []).append(step)
         spans = [(min(v), max(v)) for _, v in sorted(blocks.items())]
         assert spans[0][0] >= 1 and all(prev[1] < nxt[0] for prev, nxt in zip(spans, spans[1:]))
-    assert all(0.0 <= t.score <= 1.0 for t in trajs)
+    (lucky,) = answered
+    assert lucky.sample_id == "0-1" and lucky.text.startswith("\\boxed{")
+    assert [(t.sample_id, t.score) for t in trajs] == [(t.sample_id, float(t.sample_id == "0-1")) for t in trajs]
+    assert metrics["acc"] == pytest.approx(1 / 128)
+    assert (metrics["pass@1"], metrics["pass@2"]) == pytest.approx((0.5 / 64, 1 / 64))  # one of task 0's two
     per_row = [len(t.step_map) / len(set(t.step_map)) for t in trajs if t.step_map]  # tokens per denoising step
     assert metrics["tokens_per_step"] == pytest.approx(sum(per_row) / len(per_row))
     assert 1.0 <= metrics["tokens_per_step"] <= 4.0  # at most a block of 4 per step, whatever the batch

@@ -115,12 +115,17 @@ def test_block_causality(tiny):
 def test_dream_shift_convention(tiny):
     a = tiny("dream")
     assert a.shift_logits and a.attention == "full"
-    assert predicting_columns(torch.tensor([5]), a.shift_logits).item() == 4
-    a.model.train()
     ids = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(2))
-    # The model forward itself is unshifted (HF convention): logits[i] scores token i+1 under the adapter.
-    logits = a.model(ids).logits
-    assert logits.shape == (1, 8, len(a.tokenizer))
+    with torch.no_grad():
+        logits = a.model(ids).logits  # the forward itself is unshifted (HF convention)
+    # Dream's generation shifts by prepending the first logit (DreamLM/Dream, generation_utils.py:
+    # cat([logits[:, :1], logits[:, :-1]])): column c is scored by the hidden state at c-1, column 0 by itself.
+    shifted = torch.cat([logits[:, :1], logits[:, :-1]], 1)
+    cols = predicting_columns(torch.arange(8), a.shift_logits, first=0)
+    assert cols.tolist() == [0, 0, 1, 2, 3, 4, 5, 6]
+    torch.testing.assert_close(logits[:, cols], shifted, atol=0, rtol=0)
+    assert predicting_columns(torch.arange(3, 8), a.shift_logits, first=3).tolist() == [3, 3, 4, 5, 6]  # a row from 3
+    assert predicting_columns(torch.arange(8), tiny("llada").shift_logits, first=0).tolist() == list(range(8))
 
 
 @pytest.mark.parametrize("model_base", ("dream", "llada", "mmada"))
