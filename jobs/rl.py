@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 
-from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
+from core.files import RunDirError, RunLock, disk_full, disk_full_error, replacing, tree_bytes, write_atomic
 from core.schema import replace as replace_settings
 from data.prompts import prompt_ids
 from jobs.checkpoint import (
@@ -764,9 +764,12 @@ def _plot_curves(history: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=80)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with replacing(tmp, path):
+            fig.savefig(tmp, dpi=80)
+            os.replace(tmp, path)
+    finally:
+        plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -773,3 +773,27 @@ def test_a_machine_that_refuses_the_write_is_one_line(tmp_path, monkeypatch, cap
 
     with pytest.raises(OSError, match="Bad file descriptor"):  # the program's own errors keep their traceback
         run_job(a_bug)
+
+
+def test_a_full_disk_while_drawing_the_curves_leaves_no_temp_file(tmp_path, monkeypatch):
+    """curves.png is drawn to a temp file and renamed: a full disk mid-write removes the temp file, keeps the old
+    picture and names the picture in the error (savefig's own OSError names no file)."""
+    import matplotlib.figure
+
+    from jobs.rl import _plot_curves
+
+    history = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.3}]
+    out = tmp_path / "curves.png"
+    _plot_curves(history, out)
+    before = out.read_bytes()
+    assert before.startswith(b"\x89PNG")
+
+    def full(fig, fname, **kw):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    with pytest.raises(OSError, match="No space left") as err:
+        _plot_curves(history + [{"step": 3, "reward": 0.5}], out)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"] and out.read_bytes() == before
