@@ -3,19 +3,22 @@
 Command line: ``python -m tools.download_data --dataset MATH500 [--out data/]``.
 
 Source: dataset repo ``Gen-Verse/NAME``, file ``{split}/NAME.json`` (split ``train`` for the RL training sets,
-``test`` otherwise; as Gen-Verse/dLLM-RL data/download_data.py). Without network access it fails within a few seconds
-with a one-line message instead of retrying for minutes.
+``test`` otherwise; as Gen-Verse/dLLM-RL data/download_data.py). When a few seconds' probe cannot reach the hub, only
+the local cache is read (a file missing there is a one-line error), instead of retrying the network for minutes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
+from core.files import write_atomic
 from data.formats import DataFormatError, validate_rows
 
 # name -> (split, kind)
@@ -77,19 +80,46 @@ def check_reachable(timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         raise DownloadError(f"cannot reach {host}:{port}: {outcome[0]} (no network?)")
 
 
+@contextlib.contextmanager
+def cache_only() -> Iterator[None]:
+    """Within it, huggingface_hub and datasets read their local caches only, as under HF_HUB_OFFLINE=1 (both read
+    that variable once, at import, so their flags are set here)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
+def unreachable_hub() -> str | None:
+    """Why the hub cannot be reached (one line), or None when it can or offline mode is set (then nothing is
+    asked of the network)."""
+    if _offline_env():
+        return None
+    try:
+        check_reachable()
+    except DownloadError as exc:
+        return str(exc)
+    return None
+
+
 def fetch(name: str) -> Path:
     """Local path of ``{split}/{name}.json`` from the hub (or the HF cache when offline mode is set)."""
     split, _ = DATASETS[name]
     from huggingface_hub import hf_hub_download
 
     offline = _offline_env()
-    if not offline:
-        check_reachable()
+    unreachable = unreachable_hub()
     try:
         path = hf_hub_download(f"{REPO_OWNER}/{name}", f"{split}/{name}.json", repo_type="dataset",
-                               etag_timeout=CONNECT_TIMEOUT_S, local_files_only=offline)
+                               etag_timeout=CONNECT_TIMEOUT_S, local_files_only=offline or bool(unreachable))
     except Exception as exc:  # noqa: BLE001 - hub errors are many; one clear line is what the user needs
-        hint = " (HF_HUB_OFFLINE is set and the file is not in the local cache)" if offline else ""
+        hint = (" (HF_HUB_OFFLINE is set and the file is not in the local cache)" if offline else
+                f" ({unreachable}, and the file is not in the local cache)" if unreachable else "")
         raise DownloadError(f"download of {REPO_OWNER}/{name} failed{hint}: {type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     return Path(path)
@@ -117,9 +147,4 @@ def download(name: str, out_dir: str | Path = "data") -> Path:
         raise DownloadError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     source = fetch(name)
     rows = convert(json.loads(source.read_text(encoding="utf-8")), DATASETS[name][1], f"{REPO_OWNER}/{name}")
-    out = Path(out_dir) / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(rows, ensure_ascii=False, indent=1), encoding="utf-8")
-    tmp.replace(out)
-    return out
+    return write_atomic(Path(out_dir) / f"{name}.json", json.dumps(rows, ensure_ascii=False, indent=1))

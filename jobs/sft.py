@@ -22,7 +22,7 @@ import json
 import os
 import random
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,11 +125,19 @@ def _hub_rows(name: str) -> list[dict]:
         raise DataFormatError(f"{name}: expected hub:<org>/<name>[:<split>]")
     from datasets import load_dataset
 
+    from data.hub import cache_only, unreachable_hub
+
+    # Without a network, datasets retries the hub for about half a minute before it reads its cache: a few seconds'
+    # probe decides first, and an unreachable hub leaves the cache only.
+    unreachable = unreachable_hub()
     try:
-        rows = [dict(r) for r in load_dataset(repo, split=split or "train")]
+        with cache_only() if unreachable else nullcontext():
+            rows = [dict(r) for r in load_dataset(repo, split=split or "train")]
     except Exception as exc:  # noqa: BLE001 - offline and not cached, unknown split, ...: one line with the cause
-        raise DataFormatError(f"{name}: could not load the hub dataset ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}); download it once with network "
+        cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if unreachable:
+            cause = f"{unreachable}, and it is not in the datasets cache: {cause}"
+        raise DataFormatError(f"{name}: could not load the hub dataset ({cause}); download it once with network "
                               "access or use a local file") from None
     if not rows:
         raise DataFormatError(f"{name}: the dataset has no rows")

@@ -171,11 +171,26 @@ def run_download(tmp_path: Path, extra_env: dict[str, str], dataset: str = "MATH
     ids=["refused", "unresolvable", "offline-flag"],
 )
 def test_download_fails_fast_offline(tmp_path, env, fragment):
-    done = run_download(tmp_path, env)
+    done = run_download(tmp_path, {"HF_HOME": str(tmp_path / "empty-hf-home"), **env})  # a cache without the file
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], done.stderr
     assert not (tmp_path / "MATH500.json").exists()
+
+
+def test_an_unreachable_hub_reads_the_local_cache(tmp_path):
+    """A hub the probe cannot reach leaves huggingface_hub's local cache (as HF_HUB_OFFLINE would): a file there is
+    converted and validated as if just downloaded."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "datasets--Gen-Verse--MATH500"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    cached = repo / "snapshots" / commit / "test" / "MATH500.json"
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps([{"question": "1 + 1?", "ground_truth_answer": 2}]))
+    done = run_download(tmp_path, {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")})
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "MATH500.json").read_text()) == [{"question": "1 + 1?", "ground_truth_answer": "2"}]
 
 
 def test_download_rejects_unknown_dataset(tmp_path):

@@ -505,21 +505,47 @@ def test_long_cot_rows_keep_their_think_tokens_and_train_every_block(tiny, tmp_p
 
 
 def test_hub_datasets_are_read_through_the_datasets_cache(monkeypatch):
+    """Read through ``datasets.load_dataset``; a hub that a quick probe cannot reach leaves the local cache only
+    (huggingface_hub's and datasets' offline flags, set for the call and restored), where datasets would otherwise
+    retry the network for about half a minute before reading its cache."""
     import datasets
+    import datasets.config
+    from huggingface_hub import constants
 
-    calls = []
+    import data.hub
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    calls, reachable = [], [True]
+
+    def probe(timeout_s=data.hub.CONNECT_TIMEOUT_S):
+        if not reachable[0]:
+            raise data.hub.DownloadError("cannot reach huggingface.co:443: refused (no network?)")
 
     def fake_load(repo, split):
-        calls.append((repo, split))
+        calls.append((repo, split, constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE))
         if repo == "org/missing":
             raise ConnectionError("offline and not in the cache\nmore")
         return datasets.Dataset.from_list([{"prompt": "Q", "response": "A"}])
 
+    monkeypatch.setattr(data.hub, "check_reachable", probe)
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     assert read_rows("hub:org/sft-data") == [{"prompt": "Q", "response": "A"}]
-    assert read_rows("hub:org/sft-data:validation") and calls[-1] == ("org/sft-data", "validation")
-    with pytest.raises(Exception, match=r"hub:org/missing: could not load .*ConnectionError: offline and not in"):
+    assert read_rows("hub:org/sft-data:validation") and calls[-1] == ("org/sft-data", "validation", False, False)
+    with pytest.raises(Exception, match=r"hub:org/missing: could not load .*\(ConnectionError: offline and not in"):
         read_rows("hub:org/missing")
+    reachable[0] = False
+    assert read_rows("hub:org/sft-data") == [{"prompt": "Q", "response": "A"}]
+    assert calls[-1] == ("org/sft-data", "train", True, True)  # from the cache only
+    assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)  # restored
+    with pytest.raises(Exception, match=r"hub:org/missing: could not load the hub dataset \(cannot reach "
+                                        r"huggingface.co:443: refused \(no network\?\), and it is not in the "
+                                        r"datasets cache: ConnectionError: offline and not in the cache\); "
+                                        r"download it once"):
+        read_rows("hub:org/missing")
+    assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)  # restored after a failure
     with pytest.raises(Exception, match="expected hub:<org>/<name>"):
         read_rows("hub:no-org")
 
