@@ -19,6 +19,7 @@ from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, is_main, rank_world
 from jobs.rollout import (
     check_for_model,
+    check_prompts_fit,
     check_sandbox_failures,
     load_tasks,
     rollout_tasks,
@@ -160,6 +161,8 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
             check_for_model("rollout", params, adapter)
         tasks = load_tasks(cfg.dataset.eval_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed,
                            n_builtin=cfg.dataset.builtin_size)
+        for params in cfg.rollout.runs():
+            check_prompts_fit("rollout", adapter, tasks, cfg.dataset.data_type, params, cfg.dataset.eval_dataset)
         results = evaluate(adapter, tasks, cfg.dataset.data_type, cfg.rollout, cfg.execute,
                            cfg.experiment.seed, run.dir if run else None, cfg.dataset.eval_dataset,
                            accelerator=acc, progress=progress and main)

@@ -59,7 +59,7 @@ from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, end_processes, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
-from jobs.rollout import check_for_model, load_tasks
+from jobs.rollout import check_for_model, check_prompts_fit, load_tasks
 from jobs.trackers import check_trackers, start_trackers
 from models.lora import wrapped_model
 from models.registry import DTYPES, family_spec, load_model, load_policy
@@ -250,6 +250,9 @@ class RLJob:
         if cfg.experiment.eval_every:
             self.eval_tasks = load_tasks(cfg.evaluation.eval_dataset, cfg.evaluation.data_type,
                                          seed=cfg.experiment.seed + 1, n_builtin=cfg.evaluation.builtin_size)
+            for params in cfg.evaluation.runs():
+                check_prompts_fit("evaluation", self.adapter, self.eval_tasks, cfg.evaluation.data_type, params,
+                                  cfg.evaluation.eval_dataset)
         if cfg.optimizer.name != "adamw":  # the only optimizer (the reference's configs name it)
             raise RunDirError(f"optimizer.name {cfg.optimizer.name!r} is not supported")
         ref = None

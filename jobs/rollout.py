@@ -18,7 +18,8 @@ from data.prompts import prompt_ids
 from reward.math import is_truncated, score_math_batch
 from reward.puzzles import score_puzzle
 from reward.sandbox import CodeJob, SandboxConfig, SandboxFailure, code_from_response, run_many
-from sample.generate import Rollout, generate
+from sample.engine import PromptTooLongError
+from sample.generate import Rollout, generate, longest_prompt
 from sample.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -65,6 +66,28 @@ def check_for_model(section: str, params: SamplingParams, adapter: Adapter) -> N
     except SettingError as err:
         key = as_written(f"{section}.{err.field}")
         raise ConfigError(f"key '{key}': {err}", key) from None
+
+
+def check_prompts_fit(section: str, adapter: Adapter, tasks: list[dict], data_type: str, params: SamplingParams,
+                      name: str) -> None:
+    """Every prompt of ``tasks`` fits the model's positions with these sampler settings, checked before any sampling:
+    one line saying how many do not (the sampler stops at the first of them, which in an RL run's evaluation can be
+    hours in)."""
+    longest = longest_prompt(adapter, params)
+    if longest is None:
+        return
+    lengths = [len(prompt_ids(adapter, task, data_type, params.start_with_think)) for task in tasks]
+    over = [n for n in lengths if n > longest]
+    if not over:
+        return
+    if adapter.attention == "block":
+        room, fix = f"a block of {params.block_size or adapter.block_size}", "drop those rows"
+    else:
+        room = f"{section}.max_tokens={params.max_tokens} (rounded up to whole blocks)"
+        fix = f"lower {section}.max_tokens or drop those rows"
+    raise PromptTooLongError(f"{len(over)} of {len(tasks)} prompts of {name} have more than {longest} tokens (up to "
+                             f"{max(over)}), the longest the model's {adapter.position_limit} positions take with "
+                             f"{room}: {fix}")
 
 
 def rollout_tasks(adapter: Adapter, tasks: list[dict], data_type: str, params: Any, indices: list[int] | None = None,

@@ -52,6 +52,33 @@ def test_eval_demo_runs_end_to_end(tmp_path, capsys, demo_tokenizer, monkeypatch
     assert "acc" in capsys.readouterr().out
 
 
+def _with_positions(folder, positions: int):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    return folder
+
+
+def test_an_rl_runs_evaluation_prompts_are_checked_at_its_start(tmp_path, demo_tokenizer):
+    """An RL run whose evaluation settings leave its eval prompts no room stops before step 1, not at its first
+    evaluation (hours in): here a full-attention model whose evaluation canvas (96 tokens) leaves 32 of its 128
+    positions to prompts of 61 tokens, where the training rollouts' 8 leave room."""
+    from jobs.config import load_config
+    from jobs.rl import run_rl
+    from sample.engine import PromptTooLongError
+    from tests.test_rl import demo_args
+
+    model = _with_positions(save_tiny_checkpoint(tmp_path / "dream", "dream", demo_tokenizer, size="test"), 128)
+    cfg = load_config(demo_args(tmp_path, model, base="dream", **{
+        "experiment.eval_every": 1, "evaluation.eval_dataset": "builtin:arithmetic", "evaluation.max_token": 96,
+        "evaluation.block_size": 8}), "rl")
+    with pytest.raises(PromptTooLongError, match=r"^\d+ of \d+ prompts of builtin:arithmetic have more than 32 tokens "
+                                                 r"\(up to \d+\), the longest the model's 128 positions take with "
+                                                 r"evaluation.max_tokens=96 \(rounded up to whole blocks\): lower "
+                                                 r"evaluation.max_tokens or drop those rows$"):
+        run_rl(cfg, progress=False)
+    assert not list((tmp_path / "run").glob("step_*"))
+
+
 def test_eval_missing_checkpoint_is_one_line(tmp_path, capsys):
     rc = eval_entry.main(["config=configs/trado_eval.yaml", f"model.pretrained_model={tmp_path / 'nope'}"])
     err = capsys.readouterr().err.strip()

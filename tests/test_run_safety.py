@@ -652,17 +652,23 @@ def test_trace_viewer_command_line_corners(tmp_path, demo_tokenizer):
     assert "to instantiate a model of type" not in done.stderr  # the tokenizer loads as the jobs load it
 
 
-def test_a_prompt_longer_than_the_model_positions_is_one_line(tmp_path, model, capsys):
+def test_a_prompt_longer_than_the_model_positions_is_one_line(tmp_path, model, capsys, monkeypatch):
+    """Checked before any sampling (the sampler stopped at the first such prompt, after the tasks before it)."""
     import eval as eval_entry
+    import jobs.evaluate
 
+    monkeypatch.setattr(jobs.evaluate, "rollout_tasks", lambda *a, **k: pytest.fail("sampled"))
     data = tmp_path / "long.json"
-    data.write_text(json.dumps([{"question": "word " * 3000, "ground_truth_answer": "1"}]))
+    data.write_text(json.dumps([{"question": "2 + 2?", "ground_truth_answer": "4"},
+                                {"question": "word " * 3000, "ground_truth_answer": "1"}]))
     code = eval_entry.main(["config=configs/demo/eval_demo.yaml", f"model.pretrained_model={model}",
                             f"dataset.eval_dataset={data}", f"experiment.output_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("error:") or "error:" in x]
     assert code == 2 and "Traceback" not in err and len(lines) == 1
-    assert re.search(r"error: prompt 0 has \d+ tokens; the model accepts 4096 positions", lines[0])
+    assert re.search(rf"error: 1 of 2 prompts of {re.escape(str(data))} have more than 4095 tokens \(up to \d+\), the "
+                     r"longest the model's 4096 positions take with a block of 4: drop those rows$", lines[0])
+    assert not (tmp_path / "out" / "eval_demo").exists()
 
 
 def test_a_run_from_before_a_new_config_section_resumes(tmp_path, model, rl):
