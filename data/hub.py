@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +47,9 @@ def _endpoint() -> str:
 
 
 def _offline_env() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    """Offline mode set in the environment, as huggingface_hub and datasets read it."""
+    return any(os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def _probe_target() -> tuple[str, int]:
@@ -108,7 +111,8 @@ def unreachable_hub() -> str | None:
 
 
 def fetch(name: str) -> Path:
-    """Local path of ``{split}/{name}.json`` from the hub (or the HF cache when offline mode is set)."""
+    """Local path of ``{split}/{name}.json`` from the hub, or from the local cache when offline mode is set or the
+    hub cannot be reached (then a note on stderr says so: the copy may be older than the hub's)."""
     split, _ = DATASETS[name]
     from huggingface_hub import hf_hub_download
 
@@ -122,6 +126,8 @@ def fetch(name: str) -> Path:
                 f" ({unreachable}, and the file is not in the local cache)" if unreachable else "")
         raise DownloadError(f"download of {REPO_OWNER}/{name} failed{hint}: {type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if unreachable:
+        print(f"note: {unreachable}; {REPO_OWNER}/{name} read from the local cache", file=sys.stderr)
     return Path(path)
 
 

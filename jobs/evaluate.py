@@ -161,8 +161,8 @@ def run_eval(cfg: Any, progress: bool = True) -> list[dict]:
             check_for_model("rollout", params, adapter)
         tasks = load_tasks(cfg.dataset.eval_dataset, cfg.dataset.data_type, seed=cfg.experiment.seed,
                            n_builtin=cfg.dataset.builtin_size)
-        for params in cfg.rollout.runs():
-            check_prompts_fit("rollout", adapter, tasks, cfg.dataset.data_type, params, cfg.dataset.eval_dataset)
+        check_prompts_fit("rollout", adapter, tasks, cfg.dataset.data_type, cfg.rollout.runs(),
+                          cfg.dataset.eval_dataset)
         results = evaluate(adapter, tasks, cfg.dataset.data_type, cfg.rollout, cfg.execute,
                            cfg.experiment.seed, run.dir if run else None, cfg.dataset.eval_dataset,
                            accelerator=acc, progress=progress and main)

@@ -44,7 +44,6 @@ from accelerate.utils import DistributedType
 
 from core.files import RunDirError, RunLock, disk_full, disk_full_error, replacing, tree_bytes, write_atomic
 from core.schema import replace as replace_settings
-from data.prompts import prompt_ids
 from jobs.checkpoint import (
     check_fresh_run_dir,
     check_resumed_config,
@@ -59,13 +58,13 @@ from jobs.config import config_text
 from jobs.demo import ensure_demo_model
 from jobs.dist import barrier, default_device, end_processes, is_main
 from jobs.evaluate import evaluate, pass_at_k, sample_scored
-from jobs.rollout import check_for_model, check_prompts_fit, load_tasks
+from jobs.rollout import check_for_model, check_prompts_fit, load_tasks, prompt_lengths, prompt_room
 from jobs.trackers import check_trackers, start_trackers
 from models.lora import wrapped_model
 from models.registry import DTYPES, family_spec, load_model, load_policy
 from models.value import load_value_model, value_model_from_policy
 from reward.group import ScoredSample, group_advantages, overlong_penalty
-from sample.generate import longest_prompt, sampling_dtype
+from sample.generate import sampling_dtype
 from sample.trajectory import Trajectory, tokens_per_step, write_jsonl
 from train.accelerator import gather_objects
 from train.algorithms import algorithm
@@ -250,9 +249,8 @@ class RLJob:
         if cfg.experiment.eval_every:
             self.eval_tasks = load_tasks(cfg.evaluation.eval_dataset, cfg.evaluation.data_type,
                                          seed=cfg.experiment.seed + 1, n_builtin=cfg.evaluation.builtin_size)
-            for params in cfg.evaluation.runs():
-                check_prompts_fit("evaluation", self.adapter, self.eval_tasks, cfg.evaluation.data_type, params,
-                                  cfg.evaluation.eval_dataset)
+            check_prompts_fit("evaluation", self.adapter, self.eval_tasks, cfg.evaluation.data_type,
+                              cfg.evaluation.runs(), cfg.evaluation.eval_dataset)
         if cfg.optimizer.name != "adamw":  # the only optimizer (the reference's configs name it)
             raise RunDirError(f"optimizer.name {cfg.optimizer.name!r} is not supported")
         ref = None
@@ -362,19 +360,13 @@ class RLJob:
         ``rollout.num_task_per_step``."""
         cfg = self.cfg
         name, k = cfg.dataset.train_dataset, cfg.rollout.num_task_per_step
-        positions, longest = self.adapter.position_limit, longest_prompt(self.adapter, cfg.rollout)
-        if longest is not None and longest < 1:
-            raise RunDirError(f"rollout.max_tokens ({cfg.rollout.max_tokens}) leaves no room for a prompt below the "
-                              f"model's {positions} positions")
         limits = [(n, said) for n, said in (
             (cfg.training.max_prompt_len, f"training.max_prompt_len={cfg.training.max_prompt_len}"),
-            (longest, f"the model's positions ({positions}, less the rollout's room: prompts up to {longest} tokens)"))
-            if n is not None]
+            prompt_room("rollout", self.adapter, cfg.rollout)) if n is not None]
         rows = range(len(self.tasks))
         if limits:
             limit, said = min(limits, key=lambda item: item[0])
-            lengths = [len(prompt_ids(self.adapter, self.tasks[i], cfg.dataset.data_type, cfg.rollout.start_with_think))
-                       for i in rows]
+            lengths = prompt_lengths(self.adapter, self.tasks, cfg.dataset.data_type, cfg.rollout.start_with_think)
             rows = [i for i in rows if lengths[i] <= limit]
             if not rows:
                 raise RunDirError(f"no prompt of {name} fits {said}; the shortest has {min(lengths)} tokens")

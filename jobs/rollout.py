@@ -68,26 +68,43 @@ def check_for_model(section: str, params: SamplingParams, adapter: Adapter) -> N
         raise ConfigError(f"key '{key}': {err}", key) from None
 
 
-def check_prompts_fit(section: str, adapter: Adapter, tasks: list[dict], data_type: str, params: SamplingParams,
-                      name: str) -> None:
-    """Every prompt of ``tasks`` fits the model's positions with these sampler settings, checked before any sampling:
-    one line saying how many do not (the sampler stops at the first of them, which in an RL run's evaluation can be
-    hours in)."""
+def prompt_lengths(adapter: Adapter, tasks: list[dict], data_type: str, start_with_think: bool = False) -> list[int]:
+    """Each task's prompt length in tokens, rendered as ``rollout_tasks`` renders it."""
+    return [len(prompt_ids(adapter, task, data_type, start_with_think)) for task in tasks]
+
+
+def prompt_room(section: str, adapter: Adapter, params: SamplingParams) -> tuple[int | None, str]:
+    """The longest prompt the sampler takes with these settings below the model's positions (None: the model sets
+    no limit) and those words for a message; a one-line error when the settings leave no room for any prompt."""
     longest = longest_prompt(adapter, params)
     if longest is None:
-        return
-    lengths = [len(prompt_ids(adapter, task, data_type, params.start_with_think)) for task in tasks]
-    over = [n for n in lengths if n > longest]
-    if not over:
-        return
-    if adapter.attention == "block":
-        room, fix = f"a block of {params.block_size or adapter.block_size}", "drop those rows"
-    else:
-        room = f"{section}.max_tokens={params.max_tokens} (rounded up to whole blocks)"
-        fix = f"lower {section}.max_tokens or drop those rows"
-    raise PromptTooLongError(f"{len(over)} of {len(tasks)} prompts of {name} have more than {longest} tokens (up to "
-                             f"{max(over)}), the longest the model's {adapter.position_limit} positions take with "
-                             f"{room}: {fix}")
+        return None, ""
+    positions = adapter.position_limit
+    if longest < 1:
+        raise PromptTooLongError(f"{section}.max_tokens ({params.max_tokens}) leaves no room for a prompt below the "
+                                 f"model's {positions} positions")
+    room = (f"a block of {params.block_size or adapter.block_size}" if adapter.attention == "block" else
+            f"a response canvas of {positions - longest} ({section}.max_tokens in whole blocks)")
+    return longest, f"the model's positions ({positions}, less {room}: prompts up to {longest} tokens)"
+
+
+def check_prompts_fit(section: str, adapter: Adapter, tasks: list[dict], data_type: str,
+                      runs: list[SamplingParams], name: str) -> None:
+    """Every prompt of ``tasks`` fits the model's positions with each of these sampler settings, checked before any
+    sampling: one line saying how many do not (the sampler stops at the first of them, after the tasks before it;
+    a resumed RL run at its first evaluation)."""
+    lengths: dict[bool, list[int]] = {}
+    for params in runs:
+        longest, said = prompt_room(section, adapter, params)
+        if longest is None:
+            continue
+        think = params.start_with_think
+        lengths[think] = lengths.get(think) or prompt_lengths(adapter, tasks, data_type, think)
+        if over := [n for n in lengths[think] if n > longest]:
+            fix = "drop those rows" if adapter.attention == "block" else \
+                f"lower {section}.max_tokens or drop those rows"
+            raise PromptTooLongError(f"{len(over)} of {len(tasks)} prompts of {name} (up to {max(over)} tokens) do "
+                                     f"not fit {said}: {fix}")
 
 
 def rollout_tasks(adapter: Adapter, tasks: list[dict], data_type: str, params: Any, indices: list[int] | None = None,

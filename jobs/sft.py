@@ -136,7 +136,7 @@ def _hub_rows(name: str) -> list[dict]:
     except Exception as exc:  # noqa: BLE001 - offline and not cached, unknown split, ...: one line with the cause
         cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if unreachable:
-            cause = f"{unreachable}, and it is not in the datasets cache: {cause}"
+            cause = f"{unreachable}; from the datasets cache only: {cause}"
         raise DataFormatError(f"{name}: could not load the hub dataset ({cause}); download it once with network "
                               "access or use a local file") from None
     if not rows:

@@ -191,6 +191,9 @@ def test_an_unreachable_hub_reads_the_local_cache(tmp_path):
     done = run_download(tmp_path, {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")})
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "MATH500.json").read_text()) == [{"question": "1 + 1?", "ground_truth_answer": "2"}]
+    note = done.stderr.strip()  # the refusal's wording is the OS's
+    assert note.startswith("note: cannot reach 127.0.0.1:9: ") and "\n" not in note
+    assert note.endswith("(no network?); Gen-Verse/MATH500 read from the local cache")
 
 
 def test_download_rejects_unknown_dataset(tmp_path):

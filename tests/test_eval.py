@@ -59,24 +59,27 @@ def _with_positions(folder, positions: int):
 
 
 def test_an_rl_runs_evaluation_prompts_are_checked_at_its_start(tmp_path, demo_tokenizer):
-    """An RL run whose evaluation settings leave its eval prompts no room stops before step 1, not at its first
-    evaluation (hours in): here a full-attention model whose evaluation canvas (96 tokens) leaves 32 of its 128
-    positions to prompts of 61 tokens, where the training rollouts' 8 leave room."""
+    """An RL run whose evaluation settings leave its eval prompts no room stops at its start (a resumed run would
+    otherwise stop at its first evaluation, steps in): here a full-attention model of 128 positions whose evaluation
+    canvas (96 tokens) leaves 32 to prompts of 61 tokens, where the training rollouts' 8 leave room."""
     from jobs.config import load_config
     from jobs.rl import run_rl
     from sample.engine import PromptTooLongError
     from tests.test_rl import demo_args
 
     model = _with_positions(save_tiny_checkpoint(tmp_path / "dream", "dream", demo_tokenizer, size="test"), 128)
-    cfg = load_config(demo_args(tmp_path, model, base="dream", **{
-        "experiment.eval_every": 1, "evaluation.eval_dataset": "builtin:arithmetic", "evaluation.max_token": 96,
-        "evaluation.block_size": 8}), "rl")
-    with pytest.raises(PromptTooLongError, match=r"^\d+ of \d+ prompts of builtin:arithmetic have more than 32 tokens "
-                                                 r"\(up to \d+\), the longest the model's 128 positions take with "
-                                                 r"evaluation.max_tokens=96 \(rounded up to whole blocks\): lower "
-                                                 r"evaluation.max_tokens or drop those rows$"):
+    over = {"experiment.eval_every": 1, "evaluation.eval_dataset": "builtin:arithmetic", "evaluation.block_size": 8}
+    cfg = load_config(demo_args(tmp_path, model, base="dream", **over, **{"evaluation.max_token": 96}), "rl")
+    with pytest.raises(PromptTooLongError, match=r"^\d+ of \d+ prompts of builtin:arithmetic \(up to \d+ tokens\) do "
+                                                 r"not fit the model's positions \(128, less a response canvas of 96 "
+                                                 r"\(evaluation.max_tokens in whole blocks\): prompts up to 32 "
+                                                 r"tokens\): lower evaluation.max_tokens or drop those rows$"):
         run_rl(cfg, progress=False)
     assert not list((tmp_path / "run").glob("step_*"))
+    cfg = load_config(demo_args(tmp_path, model, base="dream", **over, **{"evaluation.max_token": 124}), "rl")
+    with pytest.raises(PromptTooLongError, match=r"^evaluation.max_tokens \(124\) leaves no room for a prompt below "
+                                                 r"the model's 128 positions$"):  # 124 in blocks of 8: 128
+        run_rl(cfg, progress=False)
 
 
 def test_eval_missing_checkpoint_is_one_line(tmp_path, capsys):

@@ -246,8 +246,8 @@ def test_tasks_over_the_models_positions_are_never_drawn(tmp_path, model, rl, ca
     capsys.readouterr()
     rl(tmp_path, short, **{"experiment.total_step": 2, "dataset.train_dataset": str(data)})
     notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:")]
-    assert notes == [f"note: 5 of 10 tasks of {data} have prompts over the model's positions ({positions}, less the "
-                     f"rollout's room: prompts up to {positions - 1} tokens) and are never drawn"]
+    assert notes == [f"note: 5 of 10 tasks of {data} have prompts over the model's positions ({positions}, less a "
+                     f"block of 4: prompts up to {positions - 1} tokens) and are never drawn"]
     drawn = {json.loads(x)["task_index"] for i in (1, 2)
              for x in (tmp_path / "run" / f"step_{i}" / "rollouts.jsonl").read_text().splitlines()}
     assert drawn and all(i % 2 == 0 for i in drawn)
@@ -666,8 +666,8 @@ def test_a_prompt_longer_than_the_model_positions_is_one_line(tmp_path, model, c
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("error:") or "error:" in x]
     assert code == 2 and "Traceback" not in err and len(lines) == 1
-    assert re.search(rf"error: 1 of 2 prompts of {re.escape(str(data))} have more than 4095 tokens \(up to \d+\), the "
-                     r"longest the model's 4096 positions take with a block of 4: drop those rows$", lines[0])
+    assert re.search(rf"error: 1 of 2 prompts of {re.escape(str(data))} \(up to \d+ tokens\) do not fit the model's "
+                     r"positions \(4096, less a block of 4: prompts up to 4095 tokens\): drop those rows$", lines[0])
     assert not (tmp_path / "out" / "eval_demo").exists()
 
 

@@ -541,8 +541,8 @@ def test_hub_datasets_are_read_through_the_datasets_cache(monkeypatch):
     assert calls[-1] == ("org/sft-data", "train", True, True)  # from the cache only
     assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)  # restored
     with pytest.raises(Exception, match=r"hub:org/missing: could not load the hub dataset \(cannot reach "
-                                        r"huggingface.co:443: refused \(no network\?\), and it is not in the "
-                                        r"datasets cache: ConnectionError: offline and not in the cache\); "
+                                        r"huggingface.co:443: refused \(no network\?\); from the datasets cache "
+                                        r"only: ConnectionError: offline and not in the cache\); "
                                         r"download it once"):
         read_rows("hub:org/missing")
     assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)  # restored after a failure
