@@ -29,6 +29,7 @@ draw is keyed by (seed, step), so the resumed run reproduces the uninterrupted o
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import random
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 
-from core.files import RunDirError, RunLock, disk_full, disk_full_error, replacing, tree_bytes, write_atomic
+from core.files import RunDirError, RunLock, disk_full, disk_full_error, tree_bytes, write_atomic
 from core.schema import replace as replace_settings
 from jobs.checkpoint import (
     check_fresh_run_dir,
@@ -758,13 +759,10 @@ def _plot_curves(history: list[dict], path: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    try:
-        with replacing(tmp, path):
-            fig.savefig(tmp, dpi=80)
-            os.replace(tmp, path)
-    finally:
-        plt.close(fig)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=80)
+    plt.close(fig)
+    write_atomic(path, png.getvalue())
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -782,10 +782,9 @@ def test_a_machine_that_refuses_the_write_is_one_line(tmp_path, monkeypatch, cap
 
 
 def test_a_full_disk_while_drawing_the_curves_leaves_no_temp_file(tmp_path, monkeypatch):
-    """curves.png is drawn to a temp file and renamed: a full disk mid-write removes the temp file, keeps the old
-    picture and names the picture in the error (savefig's own OSError names no file)."""
-    import matplotlib.figure
-
+    """curves.png is written through a temp file and renamed: a full disk mid-write removes the temp file, keeps the
+    old picture and names the picture in the error (a write's or fsync's own OSError names no file)."""
+    import core.files
     from jobs.rl import _plot_curves
 
     history = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.3}]
@@ -794,11 +793,10 @@ def test_a_full_disk_while_drawing_the_curves_leaves_no_temp_file(tmp_path, monk
     before = out.read_bytes()
     assert before.startswith(b"\x89PNG")
 
-    def full(fig, fname, **kw):
-        Path(fname).write_bytes(b"\x89PNG half")
+    def full(fd):  # the picture's bytes are in the temp file, not yet on disk
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    monkeypatch.setattr(core.files.os, "fsync", full)
     with pytest.raises(OSError, match="No space left") as err:
         _plot_curves(history + [{"step": 3, "reward": 0.5}], out)
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(out)
