@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from core.allocator import keep_freed_memory
 from core.loader import ConfigError, load, note, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
 from data.builtin import BUILTIN, builtin_kind
@@ -353,6 +354,9 @@ class SystemConfig(Settings):
     HTTP_PROXY: str | None = None
     HF_HOME: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables
+    # glibc keeps freed buffers for reuse instead of returning them to the OS (faster CPU steps; the resident size
+    # stays at its peak): core/allocator.py
+    keep_freed_memory: bool = True
 
     def resolve(self, path: str) -> Path:
         """``path`` as the job will read it once ``apply`` has moved into ``base_dir`` (before that, too)."""
@@ -363,6 +367,8 @@ class SystemConfig(Settings):
         extra = {"HTTP_PROXY": self.HTTP_PROXY, "HTTPS_PROXY": self.HTTP_PROXY, "HF_HOME": self.HF_HOME}
         for key, value in {**{k: v for k, v in extra.items() if v}, **self.env}.items():
             os.environ[key] = str(value)
+        if self.keep_freed_memory:
+            keep_freed_memory()
         if self.base_dir:
             if not Path(self.base_dir).is_dir():
                 raise ConfigError(f"key 'system.base_dir': {self.base_dir!r} is not a directory", "system.base_dir")
