@@ -21,6 +21,15 @@ resident size just before it, i.e. the extra memory the training pass needs on t
 ``batch_size_lm: 1``), so a per-round sample is several forwards and a packed sample is one.
 
     python -m bench.train            # defaults: L0=128, L1=512, b=4, 4 steps/block, vocab 151936
+    python -m bench.train --head     # the LM head alone: the plain-head function vs the module a chunk at a time
+
+``--head``: the trained tokens' log-probs and their backward (into the hidden states and the weight) at SmolLM2-135M's
+head (vocab 49,152 x hidden 576, tied: its gradient adds to the embedding's), ``--head-tokens`` tokens per
+micro-batch over ``--head-micro`` micro-batches, under bf16 autocast where the CPU multiplies bf16 natively (fp32
+otherwise): ``train.logprobs.head_logprobs`` (the weight cast once, its gradient written slice by slice) against
+``token_logprobs`` through the ``nn.Linear`` (autocast casts the weight for every chunk and its recomputation, and
+each chunk's weight gradient is a [vocab, hidden] tensor of its own). Alternating rounds in one process, glibc
+keeping freed memory as the jobs have it (core/allocator.py); the median round is reported.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -161,6 +171,43 @@ def _child(argv: list[str] | None, layout: str, logits: str, attention: str, mea
     return {k: v for k, v in result.items() if v == v and not (measure == "time" and k == "peak_mib")}
 
 
+def head_rounds(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per round of each way through the head (see the module docstring, ``--head``)."""
+    from core.allocator import keep_freed_memory
+    from models.layers import native_cpu_bf16
+    from train.logprobs import token_logprobs
+
+    keep_freed_memory()  # as every job does (system.keep_freed_memory): the heads' own costs, not page faults
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(args.head_vocab, args.head_hidden)
+    head = torch.nn.Linear(args.head_hidden, args.head_vocab, bias=False)
+    head.weight = embed.weight  # tied, as SmolLM2's
+    ids = [torch.randint(0, args.head_vocab, (args.head_tokens,)) for _ in range(args.head_micro)]
+    labels = [torch.randint(0, args.head_vocab, (args.head_tokens,)) for _ in range(args.head_micro)]
+    ways = {"module": None, "plain": embed.weight}
+    bf16 = native_cpu_bf16()
+
+    def one_round(weight) -> float:
+        start = time.perf_counter()
+        for x, y in zip(ids, labels):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                hidden = embed(x) * 1.0  # stands in for the backbone's output
+                logp = token_logprobs(head, hidden, y, args.chunk, head_weight=weight)
+            logp.sum().backward()
+        embed.weight.grad = None
+        return time.perf_counter() - start
+
+    seconds: dict[str, list[float]] = {way: [] for way in ways}
+    for weight in ways.values():
+        one_round(weight)  # warm-up
+    for _ in range(args.rounds):
+        for way, weight in ways.items():
+            seconds[way].append(one_round(weight))
+    print(f"head: vocab {args.head_vocab} x hidden {args.head_hidden} (tied), {args.head_micro} micro-batches x "
+          f"{args.head_tokens} trained tokens, {'bf16 autocast' if bf16 else 'fp32'}, chunks of {args.chunk} tokens")
+    return seconds
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,6 +222,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="interleaved time rounds (fresh processes)")
     p.add_argument("--chunk", type=int, default=128, help="logits_chunk_size of the gathered log-probs")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--head", action="store_true", help="measure the LM head alone, both ways (module docstring)")
+    p.add_argument("--head-vocab", type=int, default=49152)
+    p.add_argument("--head-hidden", type=int, default=576)
+    p.add_argument("--head-tokens", type=int, default=352, help="trained tokens per micro-batch")
+    p.add_argument("--head-micro", type=int, default=6, help="micro-batches per round")
     p.add_argument("--layout", choices=("per_round", "packed", "budget"), help=argparse.SUPPRESS)
     p.add_argument("--row-budget", type=int, default=None, help="max_row_tokens of the budget layout")
     p.add_argument("--logits", choices=("full", "gathered"), help=argparse.SUPPRESS)
@@ -192,6 +244,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_one(args)))
         return
     print(hardware_line())
+    if args.head:
+        rounds = {way: statistics.median(times) for way, times in head_rounds(args).items()}
+        print(f"module a chunk at a time: {rounds['module']:.2f} s a round; plain head: {rounds['plain']:.2f} s "
+              f"({rounds['module'] / rounds['plain']:.2f}x faster; medians of {args.rounds} rounds)")
+        return
     print(f"workload: L0={args.l0} L1={args.l1} block={args.block} steps/block={args.steps_per_block} "
           f"vocab={args.vocab} hidden={args.hidden} layers={args.layers}, fp32, forward+backward, "
           f"time = fastest of {args.samples} samples x {args.rounds} interleaved rounds after 1 warm-up each, one row "

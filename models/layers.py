@@ -436,6 +436,23 @@ def _packable(module: nn.Module) -> nn.Module | None:
     return None if any(variants) else module
 
 
+def plain_head_weight(head: nn.Module | Tensor) -> Tensor | None:
+    """The weight of an output head whose logits are exactly ``hidden @ weight.T``, for a trainer to use directly
+    (train/logprobs.py ``head_logprobs``): ``head`` a plain bias-free ``nn.Linear`` without hooks, or the weight
+    itself (a tied embedding the model applies with ``F.linear``), not partitioned by ZeRO-3. Else None."""
+    if isinstance(head, nn.Module):
+        if type(head) is not nn.Linear or head.bias is not None or head._forward_hooks or head._forward_pre_hooks:
+            return None
+        head = head.weight
+    return None if hasattr(head, "ds_id") else head
+
+
+def head_weight(model: nn.Module) -> Tensor | None:
+    """``model.lm_head_weight()`` where the family defines it (a peft wrapper passes the call on), else None."""
+    method = getattr(model, "lm_head_weight", None)
+    return method() if callable(method) else None
+
+
 def _base_linear(module: nn.Module) -> nn.Linear:
     return module if type(module) is nn.Linear else module.base_layer
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from models.common import AttentionLayout, KVCache, attend
-from models.layers import Projections, RMSNorm, attention_heads, merge_heads, silu_mul
+from models.layers import Projections, RMSNorm, attention_heads, merge_heads, plain_head_weight, silu_mul
 
 
 class QwenAttention(Projections, nn.Module):
@@ -122,6 +122,10 @@ class QwenLMHeadMixin(Projections):
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         return self.project("logits", hidden)
+
+    def lm_head_weight(self) -> Tensor | None:
+        """The weight of ``lm_logits`` where it is a plain product (``models.layers.plain_head_weight``)."""
+        return plain_head_weight(self.lm_head)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

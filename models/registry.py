@@ -23,7 +23,7 @@ from models.common import AttentionLayout, KVCache
 from models.dream import DreamBaseModel, DreamConfig, DreamModel
 from models.errors import ModelLoadError, not_a_model_folder
 from models.kinds import ATTENTION_OF
-from models.layers import native_cpu_bf16
+from models.layers import head_weight, native_cpu_bf16
 from models.llada import LLaDAConfig, LLaDAModel, LLaDAModelLM, MMadaConfig, MMadaModelLM
 from models.llada2 import LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM
 from models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM
@@ -133,6 +133,11 @@ class Adapter:
     def logits(self, hidden: Tensor) -> Tensor:
         """LM head on (a selection of) hidden states."""
         return self.model.lm_logits(hidden)
+
+    def head_weight(self) -> Tensor | None:
+        """The LM head's weight where ``logits`` is exactly ``hidden @ weight.T`` (models.layers.plain_head_weight),
+        else None."""
+        return head_weight(self.model)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, layout: AttentionLayout,
                 cache: KVCache | None = None, store_kv: bool = False) -> Tensor:

@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from train.logprobs import full_logits_logprobs, gathered_logprobs
+from train.logprobs import full_logits_logprobs, gathered_logprobs, head_logprobs, token_logprobs
 from train.loss import LossConfig, finalize_metrics, kl_estimate, policy_loss
 from train.schedules import LRSchedule, lr_factor
 
@@ -73,6 +74,79 @@ def test_gathered_chunked_logprobs_equal_full_logits_and_grads():
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y)
     assert a.dtype == torch.float32
+
+
+def _head_case(seed=0, tokens=5, vocab=37, hidden=8):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=g))
+    h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    labels = torch.tensor([0, 13, 14, 36, 29])[:tokens]  # in every slice of 14 columns (the last one 9 wide)
+    return head, h, labels
+
+
+def test_the_plain_head_function_gives_the_modules_logprobs_and_gradients():
+    head, h, labels = _head_case()
+    weight = torch.randn(37, 8, generator=torch.Generator().manual_seed(1))
+    for chunk in (1, 2, 128):  # slices of 7 columns (5 tokens x 7 <= 1 x 37), of 14 (<= 2 x 37), one of 37
+        fused = head_logprobs(h, head.weight, labels, chunk)
+        module = token_logprobs(head, h, labels, chunk)
+        torch.testing.assert_close(fused, module, atol=1e-5, rtol=1e-5)
+        grads = [torch.autograd.grad((out * weight[:5, 0]).sum(), (h, head.weight)) for out in (fused, module)]
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    expected = torch.log_softmax(h @ head.weight.T, -1)[torch.arange(5), labels]
+    torch.testing.assert_close(head_logprobs(h, head.weight, labels, 2), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_plain_head_function_under_bf16_autocast_computes_as_the_module_does():
+    head, h, labels = _head_case(tokens=5, vocab=37, hidden=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = head_logprobs(h, head.weight, labels, 2)
+        module = token_logprobs(head, h, labels, 2)
+    assert fused.dtype == torch.float32
+    torch.testing.assert_close(fused, module, atol=0.05, rtol=0)  # both from bf16 products (rounding apart)
+    exact = torch.log_softmax(h @ head.weight.T, -1)[torch.arange(5), labels]
+    assert (fused - exact).abs().max() > 1e-4  # the products really were bf16 ones
+    grads = [torch.autograd.grad(out.sum(), (h, head.weight)) for out in (fused, module)]
+    assert grads[0][0].dtype == h.dtype and grads[0][1].dtype == head.weight.dtype
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+def test_a_frozen_head_gets_no_gradient_and_labels_outside_the_vocabulary_are_refused():
+    head, h, labels = _head_case()
+    head.weight.requires_grad_(False)
+    out = head_logprobs(h, head.weight, labels, 2)
+    out.sum().backward()
+    assert head.weight.grad is None and h.grad is not None
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 37\); got 0..37"):
+        head_logprobs(h, head.weight, torch.tensor([0, 37]), 2)
+
+
+class _Products(TorchDispatchMode):
+    """The output shapes of the matrix products computed inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_the_plain_head_function_holds_at_most_chunk_size_times_vocab_logits():
+    head, h, labels = _head_case()
+    with _Products() as products:
+        head_logprobs(h, head.weight, labels, 2).sum().backward()
+    logits = [s for s in products.shapes if s[0] == 5 and s != (5, 8)]  # [tokens, slice]; (5, 8): grad of h
+    # forward, then the backward's recomputation: 3 slices each, 14 + 14 + 9 columns; 5 x 14 <= 2 x 37
+    assert logits == [(5, 14), (5, 14), (5, 9)] * 2
+    assert sorted(s for s in products.shapes if s[1] == 8 and s[0] != 5) == [(9, 8), (14, 8), (14, 8)]  # grad_w
 
 
 # ---------------------------------------------------------------- schedules (a real min_lr_scale floor, stepped once)

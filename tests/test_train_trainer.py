@@ -107,7 +107,9 @@ def test_trainer_logprobs_equal_sampler_logprobs_full_attention(tiny, demo_token
 def test_a_training_step_applies_the_lm_head_to_trained_positions_only_in_chunks(tiny, demo_tokenizer, model_base,
                                                                                   params):
     """No [batch, seq, vocab] logits in training: the LM head sees one position per row from the model's forward
-    (logits_to_keep=1) and then the trained positions, logits_chunk_size (4) at a time."""
+    (logits_to_keep=1) and then the trained positions, logits_chunk_size (4) at a time. (A hooked head is called
+    as a module, a chunk of tokens at a time; a plain one goes through head_logprobs, whose bound is
+    tests/test_train_loss.py's.)"""
     adapter = tiny(model_base, seed=1)
     trajs = sampled(adapter, [demo_tokenizer.encode(p) for p in PROMPTS], max_tokens=15, **params)
     trainer = make_trainer(adapter, logits_chunk_size=4, micro_batch_size=2)
@@ -120,6 +122,67 @@ def test_a_training_step_applies_the_lm_head_to_trained_positions_only_in_chunks
         hook.remove()
     assert batch.input_ids.shape[1] > 4  # so a forward's full logits (every position of a row) would show below
     assert max(positions) == 4 and sum(positions) >= metrics["tokens"] > 4
+
+
+@pytest.mark.parametrize("model_base,overrides,params", [
+    ("sdar", {}, {"denoising_steps": 3}),
+    ("sdar", {"tie_word_embeddings": True}, {"denoising_steps": 3}),  # the head is the embedding (SmolLM2's)
+    # the head is the embedding's first vocab_size rows (LLaDA pads its embedding)
+    ("llada", {"weight_tying": True, "embedding_size": 520}, {"block_size": 4, "steps": 8, "cache": "none"}),
+])
+def test_training_through_the_plain_head_equals_training_through_the_module(tiny, demo_tokenizer, monkeypatch,
+                                                                           model_base, overrides, params):
+    """The trainer takes the plain head's weight (train/logprobs.py head_logprobs): the same log-probs and the
+    same gradients as the head module applied a chunk of tokens at a time, and a training step goes that way."""
+    import train.logprobs
+
+    adapter = tiny(model_base, seed=1, **overrides)
+    weight = adapter.head_weight()
+    assert weight is not None and weight.shape[0] == adapter.model.config.vocab_size
+    if overrides:
+        assert weight.data_ptr() == adapter.model.get_input_embeddings().weight.data_ptr()
+    trajs = sampled(adapter, [demo_tokenizer.encode(p) for p in PROMPTS], max_tokens=12, **params)
+    advantages = {t.sample_id: (-1.0) ** i for i, t in enumerate(trajs)}
+    trainer = make_trainer(adapter, logits_chunk_size=4, micro_batch_size=2)
+    batch = build_view(trajs, advantages, trainer.cfg, trainer.traits)
+    params_ = [p for p in adapter.model.parameters() if p.requires_grad]
+
+    def logprobs_and_grads():
+        parts, grads = [], [torch.zeros_like(p) for p in params_]
+        for mb in trainer.micro_batches(batch, 0, shuffle=False):
+            logp = trainer.forward_logprobs(trainer.model, mb)
+            for g, d in zip(grads, torch.autograd.grad((logp * mb.advantages).sum(), params_, allow_unused=True)):
+                g += 0 if d is None else d
+            parts.append(logp.detach())
+        return torch.cat(parts), grads
+
+    fused_calls = []
+    fused = train.logprobs.head_logprobs
+    monkeypatch.setattr(train.logprobs, "head_logprobs", lambda *a: fused_calls.append(1) or fused(*a))
+    plain_logp, plain_grads = logprobs_and_grads()
+    assert fused_calls
+    monkeypatch.setattr("train.trainer.head_weight", lambda model: None)  # through the module now
+    calls = len(fused_calls)
+    module_logp, module_grads = logprobs_and_grads()
+    assert len(fused_calls) == calls
+    torch.testing.assert_close(plain_logp, module_logp, atol=1e-5, rtol=1e-5)
+    assert max(float(g.abs().max()) for g in module_grads) > 1e-3
+    for a, b in zip(plain_grads, module_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    monkeypatch.undo()
+    monkeypatch.setattr(train.logprobs, "head_logprobs", lambda *a: fused_calls.append(1) or fused(*a))
+    trainer.train_step(trajs, advantages)
+    assert len(fused_calls) > calls  # the step's forwards take the plain head
+
+
+def test_a_head_the_trainer_must_call_as_a_module_has_no_plain_weight(tiny):
+    adapter = tiny("sdar")
+    hook = adapter.model.lm_head.register_forward_hook(lambda *args: None)  # e.g. ZeRO-3's gathering hooks
+    assert adapter.head_weight() is None
+    hook.remove()
+    assert adapter.head_weight() is adapter.model.lm_head.weight
+    adapter.model.lm_head.weight.ds_id = 7  # partitioned by ZeRO-3: only its module's hooks gather it
+    assert adapter.head_weight() is None
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

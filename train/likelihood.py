@@ -126,7 +126,8 @@ def _draw_scores(adapter: Adapter, draws: list[_Draw], batch_size: int) -> Tenso
             hidden = adapter.hidden(rows.input_ids.to(device), rows.position_ids.to(device), rows.layout.to(device))
             row_of = torch.cat([torch.full((len(d.cols),), r) for r, d in enumerate(chunk)])
             picked = gather_hidden(hidden, row_of, torch.cat([d.cols for d in chunk]))
-            logp = token_logprobs(adapter.logits, picked, torch.cat([d.labels for d in chunk])).cpu()
+            logp = token_logprobs(adapter.logits, picked, torch.cat([d.labels for d in chunk]),
+                                  head_weight=adapter.head_weight()).cpu()
             weighted = logp * torch.cat([d.weights for d in chunk])
             scores.append(torch.zeros(len(chunk)).index_add_(0, row_of, weighted))
     return torch.cat(scores)

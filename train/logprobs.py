@@ -1,9 +1,21 @@
 """Log-probabilities of trained tokens only: gather hidden states [T, H], then the LM head in chunks.
 
 Never materialises [batch, seq, vocab] logits (at vocab 151,936 they would dominate training memory; the reference
-computes logits at every position, Gen-Verse/dLLM-RL train/rl_trado.py). Each chunk's
-logits are computed in fp32 for the log-softmax and, when gradients are needed, recomputed in the backward pass
-(activation checkpointing per chunk), so peak memory is O(chunk x vocab) instead of O(T x vocab).
+computes logits at every position, Gen-Verse/dLLM-RL train/rl_trado.py). Logits are held ``chunk_size`` x vocab at a
+time, in fp32 for the log-softmax, and recomputed in the backward pass, so peak memory is O(chunk x vocab) instead
+of O(T x vocab).
+
+Two ways, the same log-probs and gradients:
+
+* a plain head (a bias-free product with a weight the model hands out, ``lm_head_weight``): ``head_logprobs``, one
+  autograd function over slices of the vocabulary. The weight is cast to the compute dtype once per call and its
+  gradient written slice by slice into one buffer. Per token chunk through the module (below), autocast casts the
+  whole [vocab, hidden] weight again at every chunk's recomputation and each chunk's weight gradient is a
+  [vocab, hidden] tensor of its own, added up: on SmolLM2-135M's TraceRL step (6 micro-batches of ~350 trained
+  tokens, vocab 49,152) the head's forward and backward took 3.1 s that way and 2.2 s this way
+  (``python -m bench.train --head``);
+* any other head (peft-wrapped, hooked, ZeRO-3-partitioned): the module itself, a chunk of tokens at a time under
+  activation checkpointing.
 """
 
 from __future__ import annotations
@@ -28,11 +40,89 @@ def _chunk_logprobs(logits_fn: LogitsFn, hidden: Tensor, labels: Tensor) -> Tens
     return logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
-def token_logprobs(logits_fn: LogitsFn, hidden: Tensor, labels: Tensor, chunk_size: int = 128) -> Tensor:
-    """fp32 log p(label | hidden) for [T, H] hidden states, the LM head applied ``chunk_size`` rows at a time."""
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype ``F.linear(hidden, weight)`` computes in here: autocast's where it is on, else the weight's."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def _vocab_slices(vocab: int, tokens: int, chunk_size: int) -> range:
+    """Starts of the vocabulary slices: ``tokens`` x slice logits stay within ``chunk_size`` x ``vocab``."""
+    return range(0, vocab, max(1, chunk_size * vocab // max(tokens, 1)))
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log p(label | h) = h . w[label] - logsumexp(h @ w.T), over slices of the vocabulary (an online
+    logsumexp), in fp32 from products in ``dtype``; the backward recomputes each slice's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, dtype: torch.dtype, chunk_size: int) -> Tensor:
+        h, w = hidden.detach().to(dtype), weight.detach().to(dtype)
+        tokens, vocab = h.shape[0], w.shape[0]
+        best = torch.full((tokens,), -torch.inf, device=h.device)
+        total = torch.zeros(tokens, device=h.device)
+        picked = torch.zeros(tokens, device=h.device)
+        starts = _vocab_slices(vocab, tokens, chunk_size)
+        for start in starts:
+            logits = (h @ w[start:start + starts.step].T).float()
+            top = torch.maximum(best, logits.max(-1).values)
+            total = total * torch.exp(best - top) + torch.exp(logits - top[:, None]).sum(-1)
+            best = top
+            rows, cols = _labels_in(labels, start, logits.shape[1])
+            picked[rows] = logits[rows, cols]
+        lse = best + torch.log(total)
+        ctx.save_for_backward(h, weight, labels, lse)
+        ctx.dtype, ctx.hidden_dtype, ctx.chunk_size = dtype, hidden.dtype, chunk_size
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        h, weight, labels, lse = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[:2]
+        w = weight.detach().to(ctx.dtype)  # cast again rather than hold the copy from forward to backward
+        grad_h = torch.zeros(h.shape, device=h.device) if want_h else None
+        grad_w = torch.empty_like(weight) if want_w else None
+        grad = grad.float()
+        starts = _vocab_slices(w.shape[0], h.shape[0], ctx.chunk_size)
+        for start in starts:
+            piece = w[start:start + starts.step]
+            # d logp / d logits = onehot(label) - softmax, times the incoming gradient
+            d_logits = torch.exp((h @ piece.T).float() - lse[:, None]).mul_(-grad[:, None])
+            rows, cols = _labels_in(labels, start, piece.shape[0])
+            d_logits[rows, cols] += grad[rows]
+            d_logits = d_logits.to(ctx.dtype)
+            if want_h:
+                grad_h += d_logits @ piece
+            if want_w:
+                grad_w[start:start + starts.step] = d_logits.T @ h
+        return (grad_h.to(ctx.hidden_dtype) if want_h else None), grad_w, None, None, None
+
+
+def _labels_in(labels: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
+    """Rows whose label falls in the slice [start, start + width), and the label's column in it."""
+    rows = ((labels >= start) & (labels < start + width)).nonzero().squeeze(-1)
+    return rows, labels[rows] - start
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 128) -> Tensor:
+    """fp32 log p(label | hidden) for [T, H] hidden states and a plain LM head ``weight`` [V, H] (logits
+    ``hidden @ weight.T``), at most ``chunk_size`` x V logits at a time (one function; see the module docstring)."""
+    labels = labels.to(hidden.device)
+    if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < weight.shape[0]:
+        raise ValueError(f"labels must lie in [0, {weight.shape[0]}); got {int(labels.min())}..{int(labels.max())}")
+    return _HeadLogprobs.apply(hidden, weight, labels, _compute_dtype(hidden, weight), chunk_size)
+
+
+def token_logprobs(logits_fn: LogitsFn, hidden: Tensor, labels: Tensor, chunk_size: int = 128,
+                   head_weight: Tensor | None = None) -> Tensor:
+    """fp32 log p(label | hidden) for [T, H] hidden states: with ``head_weight`` (the plain head's weight,
+    ``logits_fn(h) == h @ head_weight.T``) by ``head_logprobs``, else the LM head applied ``chunk_size`` rows at a
+    time."""
     labels = labels.to(hidden.device)
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32)
+    if head_weight is not None:
+        return head_logprobs(hidden, head_weight, labels, chunk_size)
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     out = []
     for start in range(0, hidden.shape[0], chunk_size):
@@ -48,9 +138,9 @@ def token_logprobs(logits_fn: LogitsFn, hidden: Tensor, labels: Tensor, chunk_si
 
 
 def gathered_logprobs(logits_fn: LogitsFn, hidden: Tensor, rows: Tensor, cols: Tensor, labels: Tensor,
-                      chunk_size: int = 128) -> Tensor:
+                      chunk_size: int = 128, head_weight: Tensor | None = None) -> Tensor:
     """Our way: gather the trained positions' hidden states, then chunked LM head + fp32 log-softmax."""
-    return token_logprobs(logits_fn, gather_hidden(hidden, rows, cols), labels, chunk_size)
+    return token_logprobs(logits_fn, gather_hidden(hidden, rows, cols), labels, chunk_size, head_weight)
 
 
 def full_logits_logprobs(logits_fn: LogitsFn, hidden: Tensor, rows: Tensor, cols: Tensor,

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from core.errors import UserError
 from core.schema import replace as replace_settings
+from models.layers import head_weight
 from sample.trajectory import Trajectory
 from train.batch import TrainBatch
 from train.logprobs import gathered_logprobs
@@ -232,7 +233,7 @@ class Trainer:
                 num_layers = len(unwrapped.new_cache().keys)
                 hidden, cols = shared_prefix_hidden(model, sharing, num_layers), sharing.cols
             return gathered_logprobs(unwrapped.lm_logits, hidden, mb.rows, cols, mb.labels,
-                                     self.cfg.logits_chunk_size)
+                                     self.cfg.logits_chunk_size, head_weight(unwrapped))
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         """No-grad log-probs of every trained token of ``batch`` (for checks and evaluation; one process: its

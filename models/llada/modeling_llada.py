@@ -14,7 +14,15 @@ from transformers import PreTrainedModel
 
 from models.base import BackboneMixin, LMHeadMixin, full_weights
 from models.common import attend
-from models.layers import Projections, RMSNorm, attention_heads, init_linear_normal, merge_heads, silu_mul
+from models.layers import (
+    Projections,
+    RMSNorm,
+    attention_heads,
+    init_linear_normal,
+    merge_heads,
+    plain_head_weight,
+    silu_mul,
+)
 from models.llada.configuration_llada import LLaDAConfig, MMadaConfig
 
 
@@ -103,6 +111,13 @@ class LLaDAModelLM(LMHeadMixin, LLaDAPreTrainedModel):
             return t["ff_out"](hidden)[..., : self.config.vocab_size]
         with full_weights(t["wte"].weight):
             return F.linear(hidden, t["wte"].weight)[..., : self.config.vocab_size]
+
+    def lm_head_weight(self) -> Tensor | None:
+        """The weight of ``lm_logits`` where it is a plain product (``models.layers.plain_head_weight``): its
+        first ``vocab_size`` rows (the rest pad the embedding)."""
+        t = self.model.transformer
+        weight = plain_head_weight(t["wte"].weight if self.config.weight_tying else t["ff_out"])
+        return None if weight is None else weight[: self.config.vocab_size]
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.transformer["wte"]
