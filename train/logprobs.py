@@ -57,19 +57,20 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, dtype: torch.dtype, chunk_size: int) -> Tensor:
-        h, w = hidden.detach().to(dtype), weight.detach().to(dtype)
+        h, w = hidden.detach().to(dtype), weight.detach().to(dtype)  # the products in ``dtype``, autocast or not
         tokens, vocab = h.shape[0], w.shape[0]
         best = torch.full((tokens,), -torch.inf, device=h.device)
         total = torch.zeros(tokens, device=h.device)
         picked = torch.zeros(tokens, device=h.device)
         starts = _vocab_slices(vocab, tokens, chunk_size)
-        for start in starts:
-            logits = (h @ w[start:start + starts.step].T).float()
-            top = torch.maximum(best, logits.max(-1).values)
-            total = total * torch.exp(best - top) + torch.exp(logits - top[:, None]).sum(-1)
-            best = top
-            rows, cols = _labels_in(labels, start, logits.shape[1])
-            picked[rows] = logits[rows, cols]
+        with torch.autocast(h.device.type, enabled=False):
+            for start in starts:
+                logits = (h @ w[start:start + starts.step].T).float()
+                top = torch.maximum(best, logits.max(-1).values)
+                total = total * torch.exp(best - top) + torch.exp(logits - top[:, None]).sum(-1)
+                best = top
+                cols, inside = _label_columns(labels, start, logits.shape[1])
+                picked += torch.where(inside, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
         lse = best + torch.log(total)
         ctx.save_for_backward(h, weight, labels, lse)
         ctx.dtype, ctx.hidden_dtype, ctx.chunk_size = dtype, hidden.dtype, chunk_size
@@ -88,8 +89,8 @@ class _HeadLogprobs(torch.autograd.Function):
             piece = w[start:start + starts.step]
             # d logp / d logits = onehot(label) - softmax, times the incoming gradient
             d_logits = torch.exp((h @ piece.T).float() - lse[:, None]).mul_(-grad[:, None])
-            rows, cols = _labels_in(labels, start, piece.shape[0])
-            d_logits[rows, cols] += grad[rows]
+            cols, inside = _label_columns(labels, start, piece.shape[0])
+            d_logits.scatter_add_(1, cols[:, None], torch.where(inside, grad, 0.0)[:, None])
             d_logits = d_logits.to(ctx.dtype)
             if want_h:
                 grad_h += d_logits @ piece
@@ -98,10 +99,11 @@ class _HeadLogprobs(torch.autograd.Function):
         return (grad_h.to(ctx.hidden_dtype) if want_h else None), grad_w, None, None, None
 
 
-def _labels_in(labels: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
-    """Rows whose label falls in the slice [start, start + width), and the label's column in it."""
-    rows = ((labels >= start) & (labels < start + width)).nonzero().squeeze(-1)
-    return rows, labels[rows] - start
+def _label_columns(labels: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
+    """Each label's column in the vocabulary slice [start, start + width) (clamped into it) and whether it falls
+    there (no host sync, unlike selecting the rows)."""
+    local = labels - start
+    return local.clamp(0, width - 1), (local >= 0) & (local < width)
 
 
 def head_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 128) -> Tensor:
