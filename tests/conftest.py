@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +19,22 @@ warnings.filterwarnings("ignore", message=".*rope_scaling.*")
 torch.set_num_threads(1)
 
 MODEL_BASES = ("sdar", "dream", "llada", "mmada")
+
+
+def reset_accelerate_state() -> None:
+    """accelerate keeps process-wide singletons; reset them so the next accelerator picks its own settings."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Every test starts without an earlier test's accelerator: accelerate refuses a second Accelerator whose mixed
+    precision differs from the first in the process, so one test's bf16 trainer would fail the next fp32 one."""
+    if "accelerate.state" in sys.modules:
+        reset_accelerate_state()
 
 
 @pytest.fixture(scope="session")

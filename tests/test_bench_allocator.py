@@ -8,9 +8,6 @@ from bench import allocator as bench_allocator
 
 
 def test_a_child_times_sampling_and_training_of_every_step():
-    from tests.test_train_trainer import reset_accelerate_state
-
-    reset_accelerate_state()  # the benchmark builds its own accelerator: no earlier test's settings
     args = bench_allocator.parse(["--preset", "cpu-small", "--prompts", "2", "--group", "2", "--prompt-len", "12",
                                   "--response-len", "8", "--steps", "2", "--warm", "1", "--child", "default"])
     result = bench_allocator.run_child(args)

@@ -24,9 +24,6 @@ def test_records_are_groups_of_one_prompt_decoded_block_by_block():
 
 def test_the_shared_side_forwards_each_prompt_once(monkeypatch, capsys):
     import train.trainer
-    from tests.test_train_trainer import reset_accelerate_state
-
-    reset_accelerate_state()  # the benchmark builds its own accelerator (fp32): no earlier test's settings
     calls: list[int] = []
     hidden = train.trainer.shared_prefix_hidden
     monkeypatch.setattr(train.trainer, "shared_prefix_hidden",

@@ -13,6 +13,7 @@ import torch
 from core.schema import to_dict
 from sample.generate import generate
 from sample.params import SamplingParams
+from tests.conftest import reset_accelerate_state
 from tests.test_train_views import fake_block_trajectory
 from train.accelerator import build_accelerator
 from train.policy_trainer import PolicyTrainer
@@ -25,14 +26,6 @@ from train.settings import (
     ViewConfig,
 )
 from train.views import ModelTraits, build_view
-
-
-def reset_accelerate_state() -> None:
-    """accelerate keeps process-wide singletons; reset them so the next accelerator picks its own settings."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def fresh_accelerator(**kwargs):
@@ -363,7 +356,6 @@ def test_bf16_on_a_cpu_without_native_bf16_products_computes_in_float32(tiny, tm
         settings = [str(w.message).split(" ")[0] for w in caught if "native bf16" in str(w.message)]
         assert settings == ([] if native else ["training.mixed_precision=bf16:", "rollout.compute_dtype=bfloat16:",
                                                "model.dtype=bfloat16"])
-    reset_accelerate_state()
 
 
 def test_reference_model_kl_term_in_trainer(tiny):

@@ -15,6 +15,7 @@ import torch
 from models.value import ValueModel, load_value_model, value_model_from_policy
 from sample.generate import generate
 from sample.params import SamplingParams
+from tests.conftest import reset_accelerate_state
 from train.accelerator import build_accelerator
 from train.gae import outcome_token_rewards, step_gae
 from train.settings import OptimizerParams, RLTrainingConfig
@@ -74,10 +75,7 @@ def test_hand_computed_example_with_several_steps():
 
 
 def _trainer(adapter, lr: float = 3e-3, random_head: bool = True, **kw) -> ValueTrainer:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     value = value_model_from_policy(adapter.model)
     if random_head:  # a non-zero head so values depend on the state
         with torch.no_grad():
