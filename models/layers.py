@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
@@ -299,22 +300,28 @@ def packing_applies(model: nn.Module, dtype: torch.dtype | None = None) -> bool:
     return available is None or 4 * sum(p.numel() * p.element_size() for p in params) <= available
 
 
+@functools.cache
 def native_cpu_bf16() -> bool:
-    """Whether oneDNN multiplies bf16 on this CPU (AVX-512 and up). Without it (an AVX2-only CPU) torch runs bf16
-    products on reference kernels: a 512 x 2048 by 2048 x 2048 product took 15.8 s against 0.044 s in float32 (AMD
-    EPYC, AVX2, torch 2.13), 360x."""
+    """Whether this CPU multiplies bf16 in hardware. On x86 that takes AVX512-BF16 or AMX-BF16: elsewhere oneDNN
+    converts bf16 to fp32 around its products, slower than fp32 itself (AVX-512 without BF16, a 2-core Intel Xeon
+    Ice Lake: a 512 x 576 by 576 x 1536 product 37 ms in bf16 against 8.5 ms in fp32, 4.4x; AVX2 only, an AMD EPYC:
+    torch's reference kernels, a 512 x 2048 by 2048 x 2048 product 15.8 s against 0.044 s, 360x; torch 2.13). Other
+    architectures: oneDNN's own answer."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if caps.get("architecture") in ("x86_64", "x86", "AMD64"):
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
     is_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(is_supported is not None and is_supported())
 
 
 def cpu_bf16_emulated(setting: str) -> bool:
-    """True, after a one-line warning naming ``setting``, where bf16 autocast on the CPU would run on reference
-    kernels (``native_cpu_bf16``): the caller computes in float32 instead. The CPU recipes ask for bf16 for speed
-    only (about 1.5x where the CPU multiplies bf16), so a run on such a CPU keeps its pace, not its rounding."""
+    """True, after a one-line warning naming ``setting``, where bf16 autocast on the CPU would run on emulated or
+    reference kernels (``native_cpu_bf16``): the caller computes in float32 instead. The CPU recipes ask for bf16 for
+    speed only (about 1.5x where the CPU multiplies bf16), so a run on such a CPU keeps its pace, not its rounding."""
     if native_cpu_bf16():
         return False
-    warnings.warn(f"{setting}: this CPU has no native bf16 products (oneDNN: no AVX-512), where bf16 runs hundreds "
-                  "of times slower than float32; computing in float32 instead", stacklevel=3)
+    warnings.warn(f"{setting}: this CPU has no native bf16 products (no AVX512-BF16 or AMX), where bf16 runs several "
+                  "to hundreds of times slower than float32; computing in float32 instead", stacklevel=3)
     return True
 
 

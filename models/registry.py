@@ -301,8 +301,8 @@ def load_model(cfg: Any, device: str | torch.device = "cpu", load_in_4bit: bool 
         raise ModelLoadError(f"dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
     dtype = DTYPES[dtype_name]
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not native_cpu_bf16():
-        warnings.warn("model.dtype=bfloat16 on a CPU without native bf16 products (oneDNN: no AVX-512): every "
-                      "product runs hundreds of times slower than with model.dtype=float32", stacklevel=2)
+        warnings.warn("model.dtype=bfloat16 on a CPU without native bf16 products (no AVX512-BF16 or AMX): every "
+                      "product runs several to hundreds of times slower than with model.dtype=float32", stacklevel=2)
     overrides = {"attn_backend": get("attn_backend", "sdpa") or "sdpa"}
     if load_in_4bit:
         overrides.update(_four_bit(dtype, device))

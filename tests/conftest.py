@@ -37,6 +37,16 @@ def fresh_accelerate_state():
         reset_accelerate_state()
 
 
+@pytest.fixture
+def bf16_products(monkeypatch):
+    """bf16 CPU products taken as native wherever oneDNN runs them at all: the bf16 paths (packed bf16 copies, bf16
+    autocast) run on tiny models whatever this CPU's speed at them (``models.layers.native_cpu_bf16``)."""
+    if not getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)():
+        pytest.skip("oneDNN runs no bf16 products on this CPU")
+    for module in ("models.layers", "models.registry"):
+        monkeypatch.setattr(f"{module}.native_cpu_bf16", lambda: True)
+
+
 @pytest.fixture(scope="session")
 def demo_tokenizer():
     return build_demo_tokenizer()

@@ -116,8 +116,7 @@ def test_merged_sampling_weights_equal_the_adapter_and_restore_bit_for_bit(tiny,
     assert torch.equal(logits(adapter), unmerged)
 
 
-@pytest.mark.skipif(not getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)(),
-                    reason="a CPU without native bf16 products: bf16 autocast runs unpacked")
+@pytest.mark.usefixtures("bf16_products")
 @pytest.mark.parametrize("rank", [1, 4])
 def test_bf16_packed_products_keep_the_adapters(tiny, rank):
     """Under bf16 autocast (``compute_dtype="bfloat16"``) a LoRA policy's packed groups are bf16 copies that keep its

@@ -572,12 +572,29 @@ def test_sampling_runs_the_packed_products(tiny, monkeypatch):
     assert len(calls) == 4 * a.model.config.num_hidden_layers * out.stats.forwards + out.stats.denoise_forwards
 
 
-needs_native_bf16 = pytest.mark.skipif(
-    not getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)(),
-    reason="a CPU without native bf16 products: bf16 autocast runs unpacked")
+@pytest.mark.parametrize(("caps", "onednn", "native"), [
+    ({"architecture": "x86_64", "avx512_f": True, "avx512_bf16": False, "amx_bf16": False}, True, False),  # Ice Lake
+    ({"architecture": "x86_64", "avx512_f": True, "avx512_bf16": True, "amx_bf16": False}, True, True),  # Zen 4
+    ({"architecture": "x86_64", "avx512_f": True, "avx512_bf16": True, "amx_bf16": True}, True, True),  # Sapphire R.
+    ({"architecture": "x86_64", "avx2": True}, False, False),  # AVX2 only
+    ({"architecture": "aarch64"}, True, True),  # elsewhere: oneDNN's own answer
+    ({"architecture": "aarch64"}, False, False),
+])
+def test_native_bf16_needs_the_cpus_bf16_instructions(caps, onednn, native, monkeypatch):
+    """oneDNN accepts bf16 on any AVX-512 CPU, but without AVX512-BF16 / AMX it converts around each product and runs
+    slower than fp32 (4.4x on an Ice Lake Xeon): only the instructions count as native on x86."""
+    from models import layers
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn, raising=False)
+    layers.native_cpu_bf16.cache_clear()
+    try:
+        assert layers.native_cpu_bf16() is native
+    finally:
+        layers.native_cpu_bf16.cache_clear()
 
 
-@needs_native_bf16
+@pytest.mark.usefixtures("bf16_products")
 @pytest.mark.parametrize("model_base", FAMILY_BASES)
 def test_bf16_autocast_packs_bf16_copies_and_leaves_the_fp32_weights(tiny, model_base):
     """Under CPU bf16 autocast ``packed_projections`` packs bf16 copies of the fp32 weights (parked never: a copy
@@ -607,7 +624,7 @@ def test_bf16_autocast_packs_bf16_copies_and_leaves_the_fp32_weights(tiny, model
     assert all("_packed" not in m.__dict__ for m in groups)
 
 
-@needs_native_bf16
+@pytest.mark.usefixtures("bf16_products")
 def test_sampling_with_compute_dtype_bf16_runs_bf16_products(tiny, monkeypatch):
     """``compute_dtype="bfloat16"``: the sampler runs under bf16 autocast, every packed product (the same calls as
     fp32 sampling) takes bf16 inputs, and the fp32 model is as it was."""
