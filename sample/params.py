@@ -88,7 +88,7 @@ class SamplingParams(Settings):
     # The sampler's compute dtype. None: the weights' own. "bfloat16": sample under bf16 autocast, the weights left
     # as loaded (an RL run's fp32 master weights, trained under training.mixed_precision bf16); on CPU the packed
     # products are bf16 copies, about half the time of fp32 ones where the CPU multiplies bf16 natively
-    # (AVX512-BF16 / AMX; bench.sampler --compare-dtypes); a CPU without native bf16 products (AVX2 only) samples in
+    # (AVX512-BF16 / AMX; bench.sampler --compare-dtypes); a CPU without them (AVX-512 or AVX2 only) samples in
     # float32 instead, with a warning. Tokens and log-probs then carry bf16 rounding.
     compute_dtype: Literal["bfloat16"] | None = None
 
