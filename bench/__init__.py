@@ -22,4 +22,8 @@ def hardware_line(device: str = "cpu") -> str:
             f"{os.getloadavg()[0]:.1f} at start")
     if device.startswith("cuda"):
         line += f", GPU {torch.cuda.get_device_name(device)}"
+    else:  # which way the CPU recipes' bf16 settings go (models.layers.native_cpu_bf16)
+        from models.layers import native_cpu_bf16
+
+        line += ", native bf16 products" if native_cpu_bf16() else ", no native bf16 products (bf16 autocast runs fp32)"
     return line

@@ -23,3 +23,12 @@ def test_group_comparison_prefills_each_prompt_once_against_every_copy(monkeypat
     assert "2 prompts x 4 samples" in out and "shared / every copy:" in out
     forwards = [line.split()[-3] for line in out.splitlines() if line.startswith(("every copy", "shared by"))]
     assert len(forwards) == 2 and forwards[0] == forwards[1]  # the same forwards: only the prefill differs
+
+
+def test_the_hardware_line_says_which_way_cpu_bf16_goes(monkeypatch):
+    from bench import hardware_line
+
+    for native, says in ((True, ", native bf16 products"),
+                         (False, ", no native bf16 products (bf16 autocast runs fp32)")):
+        monkeypatch.setattr("models.layers.native_cpu_bf16", lambda native=native: native)
+        assert hardware_line("cpu").endswith(says)
