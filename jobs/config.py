@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from core.allocator import keep_freed_memory
+from core.allocator import keep_freed_memory, user_chose_malloc_settings
 from core.loader import ConfigError, load, note, required
 from core.schema import SettingError, Settings, bounded, check_fields, config_fields, to_dict
 from data.builtin import BUILTIN, builtin_kind
@@ -358,17 +358,23 @@ class SystemConfig(Settings):
     # stays at its peak): core/allocator.py
     keep_freed_memory: bool = True
 
+    def validate(self) -> None:
+        if user_chose_malloc_settings({k: str(v) for k, v in self.env.items()}):
+            note("system.env sets glibc's malloc thresholds (MALLOC_*_ or a glibc.malloc tunable): glibc reads them "
+                 "when a process starts, so they reach the job's child processes only; set them where the job is "
+                 "launched (or system.keep_freed_memory=false)")
+
     def resolve(self, path: str) -> Path:
         """``path`` as the job will read it once ``apply`` has moved into ``base_dir`` (before that, too)."""
         return Path(self.base_dir) / path if self.base_dir else Path(path)
 
     def apply(self) -> None:
         """Set the environment and working directory described here."""
+        if self.keep_freed_memory:  # on the environment glibc read at this process's start, before system.env
+            keep_freed_memory()
         extra = {"HTTP_PROXY": self.HTTP_PROXY, "HTTPS_PROXY": self.HTTP_PROXY, "HF_HOME": self.HF_HOME}
         for key, value in {**{k: v for k, v in extra.items() if v}, **self.env}.items():
             os.environ[key] = str(value)
-        if self.keep_freed_memory:
-            keep_freed_memory()
         if self.base_dir:
             if not Path(self.base_dir).is_dir():
                 raise ConfigError(f"key 'system.base_dir': {self.base_dir!r} is not a directory", "system.base_dir")

@@ -448,10 +448,21 @@ def plain_head_weight(head: nn.Module | Tensor) -> Tensor | None:
     (train/logprobs.py ``head_logprobs``): ``head`` a plain bias-free ``nn.Linear`` without hooks, or the weight
     itself (a tied embedding the model applies with ``F.linear``), not partitioned by ZeRO-3. Else None."""
     if isinstance(head, nn.Module):
-        if type(head) is not nn.Linear or head.bias is not None or head._forward_hooks or head._forward_pre_hooks:
+        hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks,
+                 _global_module_hooks())
+        if type(head) is not nn.Linear or head.bias is not None or any(hooks) or hasattr(head, "_hf_hook"):
             return None
         head = head.weight
     return None if hasattr(head, "ds_id") else head
+
+
+def _global_module_hooks() -> bool:
+    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_forward_hook`` and
+    kin) would watch the head's call."""
+    from torch.nn.modules import module
+
+    return any(getattr(module, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
 
 
 def head_weight(model: nn.Module) -> Tensor | None:

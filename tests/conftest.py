@@ -11,12 +11,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from core.allocator import keep_freed_memory
 from models.tiny import build_tiny
 from models.tokenizers import build_demo_tokenizer
 
 warnings.filterwarnings("ignore", message=".*rope_scaling.*")
 # Tiny models are overhead-bound: one thread is several times faster than two on a busy 2-core machine.
 torch.set_num_threads(1)
+# A job run in this process raises glibc's malloc thresholds for good (system.keep_freed_memory, on by default):
+# raised from the start, no test's allocator state depends on which job test ran before it.
+keep_freed_memory()
 
 MODEL_BASES = ("sdar", "dream", "llada", "mmada")
 

@@ -76,3 +76,21 @@ def test_the_setting_decides_whether_a_job_keeps_freed_memory(monkeypatch):
     SystemConfig().apply()
     SystemConfig(keep_freed_memory=False).apply()
     assert calls == [1]
+
+
+def test_malloc_settings_in_system_env_reach_child_processes_only(monkeypatch, capsys):
+    """glibc read its settings when this process started: a MALLOC_*_ in system.env is noted as reaching children
+    only, and this process's choice is made on the environment it was launched with."""
+    decided_on = []
+    monkeypatch.setattr("jobs.config.keep_freed_memory", lambda: decided_on.append(user_chose_malloc_settings()))
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "0")  # restored afterwards: apply() writes os.environ
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    system = SystemConfig(env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert "reach the job's child processes only" in capsys.readouterr().err
+    system.apply()
+    assert decided_on == [False] and os.environ["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    SystemConfig(env={"OTHER": "1"})
+    assert "malloc" not in capsys.readouterr().err

@@ -125,6 +125,18 @@ def test_a_frozen_head_gets_no_gradient_and_labels_outside_the_vocabulary_are_re
         head_logprobs(h, head.weight, torch.tensor([0, 37]), 2)
 
 
+def test_the_backward_keeps_the_forwards_dtype_under_an_enclosing_autocast():
+    """A float32 forward's gradients are float32 products even if ``backward`` runs inside bf16 autocast."""
+    head, h, labels = _head_case()
+    grads = []
+    for autocast in (False, True):
+        out = head_logprobs(h, head.weight, labels, 2)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            grads.append(torch.autograd.grad(out.sum(), (h, head.weight)))
+    for plain, enclosed in zip(*grads):
+        torch.testing.assert_close(enclosed, plain, rtol=1e-6, atol=1e-6)
+
+
 class _Products(TorchDispatchMode):
     """The output shapes of the matrix products computed inside."""
 

@@ -170,10 +170,17 @@ def test_training_through_the_plain_head_equals_training_through_the_module(tiny
 
 def test_a_head_the_trainer_must_call_as_a_module_has_no_plain_weight(tiny):
     adapter = tiny("sdar")
-    hook = adapter.model.lm_head.register_forward_hook(lambda *args: None)  # e.g. ZeRO-3's gathering hooks
+    head = adapter.model.lm_head
+    for register in (head.register_forward_hook,  # e.g. ZeRO-3's gathering hooks
+                     head.register_full_backward_hook,
+                     torch.nn.modules.module.register_module_forward_pre_hook):  # every module's
+        hook = register(lambda *args: None)
+        assert adapter.head_weight() is None
+        hook.remove()
+        assert adapter.head_weight() is head.weight
+    head._hf_hook = object()  # accelerate's device-map hook replaces forward (it may offload the weight)
     assert adapter.head_weight() is None
-    hook.remove()
-    assert adapter.head_weight() is adapter.model.lm_head.weight
+    del head._hf_hook
     adapter.model.lm_head.weight.ds_id = 7  # partitioned by ZeRO-3: only its module's hooks gather it
     assert adapter.head_weight() is None
 

@@ -85,17 +85,18 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if want_w else None
         grad = grad.float()
         starts = _vocab_slices(w.shape[0], h.shape[0], ctx.chunk_size)
-        for start in starts:
-            piece = w[start:start + starts.step]
-            # d logp / d logits = onehot(label) - softmax, times the incoming gradient
-            d_logits = torch.exp((h @ piece.T).float() - lse[:, None]).mul_(-grad[:, None])
-            cols, inside = _label_columns(labels, start, piece.shape[0])
-            d_logits.scatter_add_(1, cols[:, None], torch.where(inside, grad, 0.0)[:, None])
-            d_logits = d_logits.to(ctx.dtype)
-            if want_h:
-                grad_h += d_logits @ piece
-            if want_w:
-                grad_w[start:start + starts.step] = d_logits.T @ h
+        with torch.autocast(h.device.type, enabled=False):  # the forward's dtype, whatever encloses the backward
+            for start in starts:
+                piece = w[start:start + starts.step]
+                # d logp / d logits = onehot(label) - softmax, times the incoming gradient
+                d_logits = torch.exp((h @ piece.T).float() - lse[:, None]).mul_(-grad[:, None])
+                cols, inside = _label_columns(labels, start, piece.shape[0])
+                d_logits.scatter_add_(1, cols[:, None], torch.where(inside, grad, 0.0)[:, None])
+                d_logits = d_logits.to(ctx.dtype)
+                if want_h:
+                    grad_h += d_logits @ piece
+                if want_w:
+                    grad_w[start:start + starts.step] = d_logits.T @ h
         return (grad_h.to(ctx.hidden_dtype) if want_h else None), grad_w, None, None, None
 
 
@@ -109,9 +110,13 @@ def _label_columns(labels: Tensor, start: int, width: int) -> tuple[Tensor, Tens
 def head_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 128) -> Tensor:
     """fp32 log p(label | hidden) for [T, H] hidden states and a plain LM head ``weight`` [V, H] (logits
     ``hidden @ weight.T``), at most ``chunk_size`` x V logits at a time (one function; see the module docstring)."""
+    vocab = weight.shape[0]
+    if labels.device.type == "cpu":  # the slices clamp a label into range: one outside would read a wrong column
+        if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < vocab:
+            raise ValueError(f"labels must lie in [0, {vocab}); got {int(labels.min())}..{int(labels.max())}")
+    else:  # checked on the device, without making the host wait
+        torch._assert_async(((labels >= 0) & (labels < vocab)).all(), f"labels must lie in [0, {vocab})")
     labels = labels.to(hidden.device)
-    if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < weight.shape[0]:
-        raise ValueError(f"labels must lie in [0, {weight.shape[0]}); got {int(labels.min())}..{int(labels.max())}")
     return _HeadLogprobs.apply(hidden, weight, labels, _compute_dtype(hidden, weight), chunk_size)
 
 
