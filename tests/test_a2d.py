@@ -1,7 +1,7 @@
 """AR -> diffusion conversion (models/a2d.py) on tiny random Llama / Qwen2 / Qwen3 checkpoints: the shifted
 full-attention variant reproduces the AR model's logits on a causal layout, the block variant loads, samples and
-trains, the mask token is new, the chat template survives, and bad input is one line. (transformers cannot write
-GGUF files, so the GGUF path is covered only by the real-weights run.)"""
+trains, the mask token is new, the chat template survives, and bad input is one line; a Llama written as a GGUF file
+(tests/gguf_file.py: transformers reads GGUF but cannot write it) converts to the same model as its safetensors."""
 
 from __future__ import annotations
 
@@ -97,6 +97,32 @@ def test_a_padded_vocabulary_gives_the_mask_the_mean_row_not_a_padding_row(tmp_p
         torch.testing.assert_close(mine.weight[mask], theirs.weight[:n].mean(0), atol=1e-6, rtol=0)
         assert torch.equal(mine.weight[:n], theirs.weight[:n])  # every token's row as it was
         assert torch.equal(mine.weight[n + 1:], theirs.weight[n + 1:])  # the rest of the padding untouched
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_gguf_file_converts_to_the_model_its_weights_hold(tmp_path, ar_tokenizer, tied):
+    """The GGUF path end to end: a tiny random Llama written as a GGUF file in llama.cpp's layout (its q / k rows
+    regrouped for llama.cpp's rotary convention) converts, read through transformers, to a shifted model whose
+    logits on a causal layout are the AR model's, with the AR tokenizer's ids, its chat template and the
+    conversion recorded."""
+    from tests.gguf_file import write_llama_gguf
+
+    src = _ar_checkpoint(tmp_path / "ar", "llama", ar_tokenizer, tied)
+    ar = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    (tmp_path / "gguf").mkdir()
+    write_llama_gguf(ar, ar_tokenizer, tmp_path / "gguf" / "tiny.gguf")
+    out = convert(tmp_path / "gguf", "dream", tmp_path / "dream", gguf_file="tiny.gguf")
+    ours = load_model({"pretrained_model": str(out), "model_base": "dream", "dtype": "float32"})
+    ids = torch.randint(0, len(ar_tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ar(ids).logits
+        got = ours.forward(ids, torch.arange(24).expand(2, 24), AttentionLayout.causal(torch.ones(2, 24, dtype=bool)))
+    torch.testing.assert_close(got[..., :want.shape[-1]], want, atol=1e-5, rtol=0)
+    assert ours.mask_id == len(ar_tokenizer) and ours.model.config.tie_word_embeddings is tied
+    text = "<|im_start|>user\nWhat is 23 + 19?<|im_end|>\n<think>"
+    assert ours.tokenizer.encode(text) == ar_tokenizer.encode(text)
+    assert ours.tokenizer.chat_template == ar_tokenizer.chat_template
+    assert json.loads((out / "config.json").read_text())["a2d"]["gguf_file"] == "tiny.gguf"
 
 
 def test_block_variant_loads_samples_and_trains(tmp_path, ar_tokenizer):
