@@ -6,12 +6,15 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from core.errors import UserError
 
 
 class RMSNorm(nn.Module):
@@ -306,7 +309,14 @@ def native_cpu_bf16() -> bool:
     converts bf16 to fp32 around its products, slower than fp32 itself (AVX-512 without BF16, a 2-core Intel Xeon
     Ice Lake: a 512 x 576 by 576 x 1536 product 37 ms in bf16 against 8.5 ms in fp32, 4.4x; AVX2 only, an AMD EPYC:
     torch's reference kernels, a 512 x 2048 by 2048 x 2048 product 15.8 s against 0.044 s, 360x; torch 2.13). Other
-    architectures: oneDNN's own answer."""
+    architectures: oneDNN's own answer. ``DLLM_CPU_BF16=1`` (or ``0``) in the environment decides instead: bf16
+    products whatever their speed, to reproduce a bf16 run's rounding or to exercise the bf16 paths anywhere."""
+    forced = os.environ.get("DLLM_CPU_BF16", "")
+    if forced:
+        if forced not in ("0", "1"):
+            raise UserError(f"DLLM_CPU_BF16={forced!r}: expected 1 (bf16 CPU products whatever their speed) or 0 "
+                            "(float32), or leave it unset (bf16 where the CPU multiplies it natively)")
+        return forced == "1"
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     if caps.get("architecture") in ("x86_64", "x86", "AMD64"):
         return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
@@ -321,7 +331,8 @@ def cpu_bf16_emulated(setting: str) -> bool:
     if native_cpu_bf16():
         return False
     warnings.warn(f"{setting}: this CPU has no native bf16 products (no AVX512-BF16 or AMX), where bf16 runs several "
-                  "to hundreds of times slower than float32; computing in float32 instead", stacklevel=3)
+                  "to hundreds of times slower than float32; computing in float32 instead (DLLM_CPU_BF16=1 forces "
+                  "bf16)", stacklevel=3)
     return True
 
 

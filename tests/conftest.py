@@ -43,12 +43,21 @@ def fresh_accelerate_state():
 
 @pytest.fixture
 def bf16_products(monkeypatch):
-    """bf16 CPU products taken as native wherever oneDNN runs them at all: the bf16 paths (packed bf16 copies, bf16
-    autocast) run on tiny models whatever this CPU's speed at them (``models.layers.native_cpu_bf16``)."""
-    if not getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)():
+    """bf16 CPU products forced wherever oneDNN runs them at all (``DLLM_CPU_BF16=1``, which child processes inherit):
+    the bf16 paths (packed bf16 copies, bf16 autocast) run on tiny models whatever this CPU's speed at them."""
+    from models.layers import native_cpu_bf16
+
+    if not onednn_runs_bf16():
         pytest.skip("oneDNN runs no bf16 products on this CPU")
-    for module in ("models.layers", "models.registry"):
-        monkeypatch.setattr(f"{module}.native_cpu_bf16", lambda: True)
+    monkeypatch.setenv("DLLM_CPU_BF16", "1")
+    native_cpu_bf16.cache_clear()
+    yield
+    native_cpu_bf16.cache_clear()  # the next test decides again, under its own environment
+
+
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN runs bf16 products on this CPU at all (natively or by conversion)."""
+    return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
 
 
 @pytest.fixture(scope="session")

@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from models.layers import native_cpu_bf16
+from tests.conftest import onednn_runs_bf16
 
-# training.mixed_precision=bf16 on the CPU: bf16 where the CPU multiplies bf16 natively, else float32 ("no")
-CPU_BF16 = "bf16" if native_cpu_bf16() else "no"
+# training.mixed_precision=bf16 on the CPU: the children run bf16 wherever oneDNN can (DLLM_CPU_BF16=1 below, so the
+# bf16 path is tested on CPUs that multiply bf16 by conversion too), else float32 ("no")
+CPU_BF16 = "bf16" if onednn_runs_bf16() else "no"
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -34,6 +35,7 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "DLLM_DS_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
+    env["DLLM_CPU_BF16"] = "1" if CPU_BF16 == "bf16" else "0"
     return env
 
 

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from core.errors import UserError
 from core.schema import SettingError
 from models.common import AttentionLayout, predicting_columns
 from models.registry import ModelLoadError, load_model, make_adapter
@@ -585,11 +586,31 @@ def test_native_bf16_needs_the_cpus_bf16_instructions(caps, onednn, native, monk
     slower than fp32 (4.4x on an Ice Lake Xeon): only the instructions count as native on x86."""
     from models import layers
 
+    monkeypatch.delenv("DLLM_CPU_BF16", raising=False)
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn, raising=False)
     layers.native_cpu_bf16.cache_clear()
     try:
         assert layers.native_cpu_bf16() is native
+    finally:
+        layers.native_cpu_bf16.cache_clear()
+
+
+@pytest.mark.parametrize("forced", ["0", "1", "yes"])
+def test_dllm_cpu_bf16_decides_instead_of_the_cpu(forced, monkeypatch):
+    """``DLLM_CPU_BF16=1`` forces bf16 on an AVX2-only CPU, ``0`` forbids it on an AMX one; another value: one line."""
+    from models import layers
+
+    caps = {"architecture": "x86_64", "avx512_bf16": forced == "0", "amx_bf16": forced == "0"}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    monkeypatch.setenv("DLLM_CPU_BF16", forced)
+    layers.native_cpu_bf16.cache_clear()
+    try:
+        if forced == "yes":
+            with pytest.raises(UserError, match=r"^DLLM_CPU_BF16='yes': expected 1 .* or 0"):
+                layers.native_cpu_bf16()
+        else:
+            assert layers.native_cpu_bf16() is (forced == "1")
     finally:
         layers.native_cpu_bf16.cache_clear()
 
